@@ -1,0 +1,257 @@
+"""Pretrain a GPT with megatron-core: a real training loop, plain or as one rank of a virtual world.
+
+Plain, under torchrun (gloo on CPU, NCCL on GPU):
+    torchrun --nproc-per-node 4 examples/pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --global-batch-size 8
+Virtualized: the same script as rank 4711 of 8192 ranks, in one process:
+    python examples/pretrain_gpt.py --prism-virtual-world-size 8192 --prism-sandbox-ranks 4711 \
+        --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --num-layers 16 \
+        --global-batch-size 128 --micro-batch-size 1 --num-attention-heads 8
+
+Everything megatron-specific below is what a Megatron-LM user writes; the only prism line is
+`prism_megatron.install(cfg)`. Data is mock: token ids drawn from a generator seeded by
+(seed, iteration, data-parallel rank, microbatch), so every run and every rank of a role sees the same.
+
+Logging: one Megatron-style line per iteration. The loss lives on the last pipeline stage; it is
+broadcast over the pipeline group for logging (one small broadcast per iteration, as NeMo does). On a
+sandbox whose last stage is a ghost there is no loss to receive: it logs `lm loss: n/a` and records
+null, and the gradient norm (computed by every rank) is the figure to watch there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import prism_megatron
+from prism_megatron.config import ConfigError
+from prism_megatron.config.flags import add_megatron_args, add_prism_args, config_from_args
+from prism_megatron.util import atomic_write_text
+
+
+def build_model(cfg, device):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    m, p = cfg.model, cfg.parallel
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[m.params_dtype]
+    moe = {}
+    if m.num_experts:
+        moe = dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                   moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size,
+                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+    config = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size, tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp, virtual_pipeline_model_parallel_size=p.vpp,
+        context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp, sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=device == "cpu",
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=not m.num_experts, deallocate_pipeline_outputs=True, **moe)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=dtype != torch.float32,
+        overlap_grad_reduce=cfg.train.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.train.use_distributed_optimizer, bucket_size=None)
+    padded_vocab = _padded_vocab(m.vocab_size, p.tp)
+    chunks = []
+    for vp_stage in range(p.vpp or 1):
+        vp = vp_stage if p.vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(m.num_experts, moe_grouped_gemm=False),
+            vocab_size=padded_vocab, max_sequence_length=m.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), vp_stage=vp)
+        if device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        if dtype != torch.float32:
+            model = Float16Module(config, model)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model))
+    return config, chunks
+
+
+def _padded_vocab(vocab_size: int, tp: int) -> int:
+    multiple = 128 * tp  # Megatron-LM's --make-vocab-size-divisible-by default times tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def mock_batches(cfg, iteration: int, device: str):
+    """The microbatches of one iteration for this data-parallel rank (deterministic)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    m, t = cfg.model, cfg.train
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp_size)
+    for micro in range(num_micro):
+        gen = torch.Generator().manual_seed(hash((t.seed, iteration, dp_rank, micro)) & 0x7FFFFFFF)
+        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen)
+        batch = {
+            "tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(t.micro_batch_size, m.seq_length),
+            "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1),
+        }
+        batch = {k: v.to(device) for k, v in batch.items()}
+        yield get_batch_on_this_cp_rank(batch)
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: the schedule divides `loss` in place by the number of microbatches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def train(cfg, inst, summary_path):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    device = inst.device
+    if "RANK" not in os.environ:  # plain `python`, not torchrun: a world of one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    p = cfg.parallel
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp, order=p.order)
+    torch.manual_seed(cfg.train.seed)
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    config, chunks = build_model(cfg, device)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.train.lr, weight_decay=0.01, clip_grad=1.0,
+                        bf16=config.bf16, fp16=config.fp16,
+                        use_distributed_optimizer=cfg.train.use_distributed_optimizer),
+        chunks)
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    if cfg.train.overlap_grad_reduce:
+        config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1
+                                 else chunks[0].start_grad_sync)
+    config.finalize_model_grads_func = finalize_model_grads
+    if inst.tracker is not None:
+        for chunk in chunks:
+            inst.tracker.register_model(chunk)
+    forward_backward = get_forward_backward_func()
+    t, rank = cfg.train, dist.get_rank()
+    num_micro = t.global_batch_size // (t.micro_batch_size * ps.get_data_parallel_world_size())
+    pp_group, last_stage = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+    summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(), "losses": [],
+               "grad_norms": [], "iteration_times_ms": [],
+               "ghost_policy": cfg.emulation.ghost_policy if inst.virtual else None}
+    for it in range(1, t.iters + 1):
+        start = time.perf_counter()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        iterators = [mock_batches(cfg, it, device) for _ in chunks]
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
+            seq_length=cfg.model.seq_length // p.cp, micro_batch_size=t.micro_batch_size,
+            forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        if inst.tracker is not None:
+            inst.tracker.register_optimizer(optimizer)
+        loss = _pipeline_loss(losses, pp_group, last_stage, inst, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        summary["losses"].append(loss)
+        summary["grad_norms"].append(float(grad_norm) if grad_norm is not None else None)
+        summary["iteration_times_ms"].append(elapsed_ms)
+        shown = "n/a" if loss is None else f"{loss:.6E}"
+        print(f" [rank {rank}] iteration {it}/{t.iters} | lm loss: {shown} | grad norm: "
+              f"{summary['grad_norms'][-1]} | iteration time (ms): {elapsed_ms:.1f}", flush=True)
+    _finish(summary, inst, summary_path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pipeline_loss(losses, pp_group, last_stage, inst, device):
+    """Mean lm loss of the iteration, from the last pipeline stage (None if that stage is a ghost)."""
+    value = torch.zeros(1, device=device)
+    if losses:
+        value[0] = torch.stack([x["lm loss"].float() for x in losses]).mean()
+    if dist.get_world_size(pp_group) > 1:
+        if inst.session is not None and inst.session.physical.physical_of(last_stage) is None:
+            return None
+        dist.broadcast(value, src=last_stage, group=pp_group)
+    return float(value.item())
+
+
+def _finish(summary, inst, summary_path):
+    key = "peak_tracked_bytes" if inst.tracker is not None else "peak_allocated_bytes"
+    summary[key] = int(inst.peak_memory_bytes())
+    if inst.tracker is not None:
+        summary["memory"] = inst.tracker.snapshot()
+    if inst.session is not None:
+        summary["comm"] = inst.session.log.rows()
+    if summary_path:
+        atomic_write_text(summary_path, json.dumps(summary, indent=1))
+    finite = [x for x in summary["losses"] + summary["grad_norms"] if x is not None]
+    if not all(math.isfinite(x) for x in finite):
+        print(f"error: non-finite loss or grad norm on rank {summary['virtual_rank']}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_megatron_args(add_prism_args(parser))
+    args = parser.parse_args(argv)  # unknown flags: argparse prints usage + one line, exit 2
+    try:
+        cfg = config_from_args(args)
+        if cfg.emulation.virtual_world_size is None:
+            cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        inst = prism_megatron.install(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg, inst, args.prism_summary_json)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        inst.uninstall()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

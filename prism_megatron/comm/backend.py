@@ -1,0 +1,428 @@
+"""The `prism` torch.distributed backend: a process group of a virtual world.
+
+`PrismGroup` is a Python `ProcessGroup` over virtual ranks. For each operation, the members that are
+physical processes exchange real data through the inner backend (gloo/NCCL over just them); the ghost
+members' contributions are then folded in place by the session's `GhostPolicy`. With no ghosts the
+inner backend's result is returned untouched, so an emulated run with N equal to the physical world is
+bitwise the plain run.
+
+Completion: collectives wait for their inner operation and return a completed `Work` (real members run
+the same program, so they issue a group's collectives in the same order and this cannot deadlock);
+p2p between real ranks returns the inner backend's asynchronous `Work`, since paired isend/irecv may
+be posted in either order. Every operation is recorded as a `CommEvent` in `session.log`.
+
+Known limits: `recv` from any source is unsupported; a broadcast or scatter rooted at a ghost under
+`mirror` keeps the receiver's buffer (DDP's parameter broadcast then keeps the local parameters, as a
+ghost root holding identical parameters would give); under `zeros`/`random` it is filled.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from prism_megatron.comm.events import CommEvent
+from prism_megatron.comm.session import VirtualSession
+
+BACKEND_NAME = "prism"
+_REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
+                 ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
+
+
+def _done(result=None) -> dist.Work:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+def _reduce_op(opts) -> ReduceOp:
+    for op in _REDUCE_NAMES:
+        if opts.reduceOp == op:
+            return op
+    raise ValueError(f"reduce op {opts.reduceOp} is not supported by the prism backend; "
+                     "expected SUM, AVG, MAX, MIN or PRODUCT")
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _inner_reduce_opts(cls, op: ReduceOp, **extra):
+    opts = cls()
+    opts.reduceOp = ReduceOp.SUM if op == ReduceOp.AVG else op  # gloo has no AVG
+    for key, value in extra.items():
+        setattr(opts, key, value)
+    return opts
+
+
+class PrismGroup(dist.ProcessGroup):
+    """A group of the virtual world as seen by one sandbox rank."""
+
+    def __init__(self, session: VirtualSession, members: Sequence[int], group_rank: int,
+                 group_id: str, store: Optional[dist.Store]) -> None:
+        super().__init__(group_rank, len(members))
+        self.session = session
+        self.members = tuple(members)
+        self.group_id = group_id
+        phys = session.physical
+        self.real = [g for g, v in enumerate(self.members) if phys.physical_of(v) is not None]
+        self.ghosts = [g for g in range(len(self.members)) if phys.physical_of(self.members[g]) is None]
+        r = len(self.real)
+        # Ghost j of the group mirrors real member j mod r (the local one when it is alone).
+        self.mirror_source = {g: self.real[j % r] for j, g in enumerate(self.ghosts)}
+        self.dim = session.dim_of(self.members)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._stash: dict[tuple, dict[int, np.ndarray]] = {}
+        self.inner = None
+        if r > 1:
+            physical_members = [phys.physical_of(self.members[g]) for g in self.real]
+            self.inner = phys.make_backend(dist.PrefixStore("prism/inner/", store), physical_members)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return len(self.members)
+
+    def name(self) -> str:  # noqa: D401 - torch API
+        return BACKEND_NAME
+
+    def _begin(self, op: str, tensors: Sequence[torch.Tensor], *, peer: Optional[int] = None,
+               reduce_op: Optional[ReduceOp] = None) -> int:
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else "none"
+        self.session.log.record(CommEvent(
+            op=op, dim=self.dim, group_id=self.group_id, nbytes=_nbytes(tensors), dtype=dtype,
+            seq=seq, members=self.members, ghosts=len(self.ghosts),
+            peer=None if peer is None else self.members[peer],
+            reduce_op=None if reduce_op is None else _REDUCE_NAMES[reduce_op]))
+        return seq
+
+    def _gen(self, device: torch.device, seq: int, salt: int = 0):
+        return lambda: self.session.policy.generator(device, self.group_id, seq, salt)
+
+    def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int) -> None:
+        """Fill each ghost's slot of a gathered output: policy data, mirror copies its source."""
+        policy = self.session.policy
+        for g in self.ghosts:
+            policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
+
+    def _inner_index(self, group_rank: int) -> Optional[int]:
+        try:
+            return self.real.index(group_rank)
+        except ValueError:
+            return None
+
+    # -- reductions ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def allreduce(self, tensors, opts=None):
+        op = _reduce_op(opts or dist.AllreduceOptions())
+        seq = self._begin("all_reduce", tensors, reduce_op=op)
+        if self.inner is not None:
+            self.inner.allreduce(tensors, _inner_reduce_opts(dist.AllreduceOptions, op)).wait()
+        for i, t in enumerate(tensors):
+            self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
+                                                 gen_factory=self._gen(t.device, seq, i))
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts_single = dist.AllreduceOptions()
+        opts_single.reduceOp = (opts or dist.AllreduceCoalescedOptions()).reduceOp
+        for t in tensors:
+            self.allreduce([t], opts_single)
+        return _done(tensors)
+
+    @torch.no_grad()
+    def reduce(self, tensors, opts):
+        op = _reduce_op(opts)
+        seq = self._begin("reduce", tensors, reduce_op=op)
+        root = opts.rootRank
+        if self.inner is not None and root in self.real:
+            self.inner.reduce(tensors, _inner_reduce_opts(
+                dist.ReduceOptions, op, rootRank=self._inner_index(root), rootTensor=opts.rootTensor)).wait()
+        if root == self.rank():
+            for i, t in enumerate(tensors):
+                self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
+                                                     gen_factory=self._gen(t.device, seq, i))
+        return _done(tensors)
+
+    @torch.no_grad()
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _reduce_op(opts or dist.ReduceScatterOptions())
+        seq = self._begin("reduce_scatter", [t for ts in input_tensors for t in ts], reduce_op=op)
+        for i, (out, inputs) in enumerate(zip(output_tensors, input_tensors)):
+            self._reduce_scatter_one(out, list(inputs), op, seq, i)
+        return _done(output_tensors)
+
+    @torch.no_grad()
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _reduce_op(opts or dist.ReduceScatterOptions())
+        seq = self._begin("reduce_scatter", [input], reduce_op=op)
+        if self.inner is not None and not self.ghosts:
+            self.inner._reduce_scatter_base(
+                output, input, _inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
+            self.session.policy.finish_reduction(output, op, n=self.n, r=self.n,
+                                                 gen_factory=self._gen(output.device, seq))
+        else:
+            self._reduce_scatter_one(output, list(input.chunk(self.n)), op, seq, 0)
+        return _done([output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for out, inp in zip(outputs, inputs):
+            self._reduce_scatter_base(out, inp, opts)
+        return _done(outputs)
+
+    def _reduce_scatter_one(self, out, inputs, op, seq, salt):
+        if self.inner is not None:
+            real_inputs = [inputs[g] for g in self.real]
+            self.inner.reduce_scatter([out], [real_inputs],
+                                      _inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
+        elif out.data_ptr() != inputs[self.rank()].data_ptr():
+            out.copy_(inputs[self.rank()])
+        self.session.policy.finish_reduction(out, op, n=self.n, r=len(self.real),
+                                             gen_factory=self._gen(out.device, seq, salt))
+
+    # -- gathers -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        seq = self._begin("all_gather", [t for ts in output_tensors for t in ts])
+        for outs, inp in zip(output_tensors, input_tensors):
+            outs = list(outs)
+            if self.inner is not None:
+                self.inner.allgather([[outs[g] for g in self.real]], [inp]).wait()
+            elif outs[self.rank()].data_ptr() != inp.data_ptr():
+                outs[self.rank()].copy_(inp)
+            self._fill_ghosts(outs, seq)
+        return _done(output_tensors)
+
+    @torch.no_grad()
+    def _allgather_base(self, output, input, opts=None):
+        seq = self._begin("all_gather", [output])
+        if self.inner is not None and not self.ghosts:
+            self.inner._allgather_base(output, input).wait()
+            return _done([output])
+        slots = list(output.chunk(self.n))
+        if (self.inner is None and self.session.policy.effective(output.dtype) == "mirror"
+                and output.is_contiguous()):
+            # One real member: every slot is a copy of the local input; one broadcasted copy.
+            output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
+            return _done([output])
+        if self.inner is not None:
+            self.inner.allgather([[slots[g] for g in self.real]], [input]).wait()
+        else:
+            slots[self.rank()].copy_(input)
+        self._fill_ghosts(slots, seq)
+        return _done([output])
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        for outs, inp in zip(output_lists, input_list):
+            self.allgather([outs], [inp], opts)
+        return _done(output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for out, inp in zip(outputs, inputs):
+            self._allgather_base(out, inp, opts)
+        return _done(outputs)
+
+    @torch.no_grad()
+    def gather(self, output_tensors, input_tensors, opts):
+        root = opts.rootRank
+        seq = self._begin("gather", [t for ts in output_tensors for t in ts] or input_tensors)
+        if root in self.ghosts:
+            return _done(output_tensors)  # the data goes to a ghost: nothing to do
+        outs = list(output_tensors[0]) if self.rank() == root else []
+        if self.inner is not None:
+            inner_opts = dist.GatherOptions()
+            inner_opts.rootRank = self._inner_index(root)
+            inner_out = [[outs[g] for g in self.real]] if outs else []
+            self.inner.gather(inner_out, input_tensors, inner_opts).wait()
+        elif outs:
+            outs[root].copy_(input_tensors[0])
+        if outs:
+            self._fill_ghosts(outs, seq)
+        return _done(output_tensors)
+
+    # -- one-to-all ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def broadcast(self, tensors, opts):
+        root = opts.rootRank
+        seq = self._begin("broadcast", tensors)
+        if root in self.real:
+            if self.inner is not None:
+                inner_opts = dist.BroadcastOptions()
+                inner_opts.rootRank = self._inner_index(root)
+                inner_opts.rootTensor = opts.rootTensor
+                self.inner.broadcast(tensors, inner_opts).wait()
+            return _done(tensors)
+        source = self.mirror_source[root]
+        for i, t in enumerate(tensors):
+            if self.session.policy.effective(t.dtype) == "mirror":
+                if self.inner is not None:  # all real members agree on the mirrored root's data
+                    inner_opts = dist.BroadcastOptions()
+                    inner_opts.rootRank = self._inner_index(source)
+                    self.inner.broadcast([t], inner_opts).wait()
+            else:
+                self.session.policy.fill(t, None, self._gen(t.device, seq, i))
+        return _done(tensors)
+
+    @torch.no_grad()
+    def scatter(self, output_tensors, input_tensors, opts):
+        root = opts.rootRank
+        seq = self._begin("scatter", [t for ts in input_tensors for t in ts] or output_tensors)
+        out = output_tensors[0]
+        if root in self.real:
+            if self.inner is not None:
+                inner_opts = dist.ScatterOptions()
+                inner_opts.rootRank = self._inner_index(root)
+                inputs = [[input_tensors[0][g] for g in self.real]] if self.rank() == root else []
+                self.inner.scatter([out], inputs, inner_opts).wait()
+            elif out.data_ptr() != input_tensors[0][root].data_ptr():
+                out.copy_(input_tensors[0][root])
+        elif self.session.policy.effective(out.dtype) != "mirror":
+            self.session.policy.fill(out, None, self._gen(out.device, seq))
+        return _done(output_tensors)
+
+    # -- all-to-all ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        seq = self._begin("all_to_all", [input])
+        if self.inner is not None and not self.ghosts:
+            self.inner.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                     dist.AllToAllOptions()).wait()
+            return _done([output])
+        outs = _split(output, output_split_sizes, self.n)
+        ins = _split(input, input_split_sizes, self.n)
+        self._alltoall_real(outs, ins)
+        self._fill_ghosts(outs, seq)
+        return _done([output])
+
+    @torch.no_grad()
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        seq = self._begin("all_to_all", input_tensors)
+        outs, ins = list(output_tensors), list(input_tensors)
+        self._alltoall_real(outs, ins)
+        self._fill_ghosts(outs, seq)
+        return _done(output_tensors)
+
+    def _alltoall_real(self, outs, ins):
+        if self.inner is None:
+            if outs[self.rank()].data_ptr() != ins[self.rank()].data_ptr():
+                outs[self.rank()].copy_(ins[self.rank()])
+            return
+        # Real members only: one packed exchange through the inner backend (gloo has no list form).
+        send = torch.cat([ins[g].reshape(-1) for g in self.real])
+        recv = torch.empty(sum(outs[g].numel() for g in self.real), dtype=send.dtype,
+                           device=send.device)
+        self.inner.alltoall_base(recv, send, [outs[g].numel() for g in self.real],
+                                 [ins[g].numel() for g in self.real], dist.AllToAllOptions()).wait()
+        offset = 0
+        for g in self.real:
+            count = outs[g].numel()
+            outs[g].copy_(recv[offset:offset + count].view(outs[g].shape))
+            offset += count
+
+    # -- point to point ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch API names
+        self._begin("send", tensors, peer=dstRank)
+        physical = self.session.physical.physical_of(self.members[dstRank])
+        if physical is not None:
+            return self.session.p2p_backend.send(tensors, physical, tag)
+        for t in tensors:  # keep a host copy outside torch's allocator: memory stays a real rank's
+            key = (tuple(t.shape), t.dtype)
+            self._stash.setdefault(key, {})[dstRank] = _host_bytes(t)
+        return _done(tensors)
+
+    @torch.no_grad()
+    def recv(self, tensors, srcRank, tag=0):  # noqa: N803
+        seq = self._begin("recv", tensors, peer=srcRank)
+        physical = self.session.physical.physical_of(self.members[srcRank])
+        if physical is not None:
+            return self.session.p2p_backend.recv(tensors, physical, tag)
+        for i, t in enumerate(tensors):
+            policy = self.session.policy
+            if policy.effective(t.dtype) == "mirror":
+                sent = self._stash.get((tuple(t.shape), t.dtype), {})
+                # Prefer what we sent the *other* way: a ghost previous stage's activations look
+                # like the ones we send on; a ghost next stage's gradients like the ones we send back.
+                other = [p for p in sent if p != srcRank]
+                raw = sent[other[-1]] if other else sent.get(srcRank)
+                if raw is None:
+                    t.zero_()
+                else:
+                    t.copy_(torch.from_numpy(raw).view(t.dtype).view(t.shape))
+            else:
+                policy.fill(t, None, self._gen(t.device, seq, i))
+        return _done(tensors)
+
+    # torch >= 2.12 names the tensor forms *_single; older releases call the underscored names.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    def recv_anysource(self, tensors, tag=0):
+        raise NotImplementedError("recv from any source is not supported by the prism backend; "
+                                  "receive from a named rank")
+
+    def barrier(self, opts=None):
+        self._begin("barrier", [])
+        if self.inner is not None:
+            self.inner.barrier(dist.BarrierOptions()).wait()
+        return _done(None)
+
+
+def _split(tensor: torch.Tensor, sizes: Sequence[int], n: int) -> list[torch.Tensor]:
+    if not sizes:
+        if tensor.shape[0] % n:
+            raise ValueError(f"all_to_all: dim 0 ({tensor.shape[0]}) is not divisible by the group "
+                             f"size {n}; pass split sizes")
+        return list(tensor.chunk(n)) if tensor.shape[0] else [tensor] * n
+    return list(torch.split(tensor, list(sizes)))
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.view(torch.uint8).numpy().copy()
+
+
+def create_prism_group(opts, backend_options) -> PrismGroup:
+    """The creator torch calls for every group of backend `prism` (extended API).
+
+    The default group receives the `VirtualSession` as its backend options; subgroups find it on
+    the default group.
+    """
+    if isinstance(backend_options, VirtualSession):
+        session = backend_options
+    else:
+        default = dist.distributed_c10d._get_default_group()
+        session = getattr(default, "session", None)
+        if session is None:
+            raise RuntimeError("the prism backend has no session: call prism_megatron.install(cfg) "
+                               "before torch.distributed.init_process_group")
+    members = list(opts.global_ranks_in_group) or list(range(session.world_size))
+    return PrismGroup(session, members, opts.group_rank, str(opts.group_id), opts.store)
+
+
+def register_prism_backend() -> None:
+    """Register `prism` with torch.distributed once (idempotent)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_prism_group, extended_api=True,
+                                  devices=["cpu", "cuda"])

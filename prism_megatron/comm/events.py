@@ -1,0 +1,63 @@
+"""Every operation the prism backend executes, as an event; and the per-(op, dim) counters.
+
+`CommEvent` is what later stages (the recorder, the ghost oracle) subscribe to through
+`CommLog.listeners`. Bytes follow nccl-tests' "size" convention: the local buffer of the operation
+(all_reduce/broadcast/reduce: the tensor; all_gather/gather: the full output; reduce_scatter/scatter:
+the full input; all_to_all: the local input; send/recv: the tensor).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True, slots=True)
+class CommEvent:
+    """One operation on one sandbox rank, in issue order."""
+
+    op: str
+    """Operation name: all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter,
+    all_to_all, send, recv, barrier."""
+    dim: str
+    """Group dim (tp, pp, dp, ...; `world` for the default group; `other` if no megatron dim)."""
+    group_id: str
+    nbytes: int
+    dtype: str
+    seq: int
+    """Sequence number of this call on its group (same on every real member)."""
+    members: tuple[int, ...]
+    ghosts: int
+    """How many members of the group are ghosts."""
+    peer: Optional[int] = None
+    """Virtual rank of the p2p peer (send/recv only)."""
+    reduce_op: Optional[str] = None
+
+
+@dataclass
+class CommLog:
+    """Counts calls and bytes per (op, dim) and forwards each event to `listeners`."""
+
+    listeners: list[Callable[[CommEvent], None]] = field(default_factory=list)
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, event: CommEvent) -> None:
+        key = (event.op, event.dim)
+        with self._lock:
+            self.calls[key] += 1
+            self.bytes[key] += event.nbytes
+        for listener in self.listeners:
+            listener(event)
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def rows(self) -> list[dict]:
+        """One row per (op, dim): {"op", "dim", "calls", "bytes"}, sorted."""
+        return [{"op": op, "dim": dim, "calls": self.calls[(op, dim)], "bytes": self.bytes[(op, dim)]}
+                for op, dim in sorted(self.calls)]

@@ -1,0 +1,117 @@
+"""The explicit state of one emulated process: who it is in the virtual world and who is real.
+
+A `VirtualSession` is created by the hooks when `torch.distributed.init_process_group` runs, and handed
+to the `prism` backend as the default group's options; every subgroup finds it through the default
+group. Nothing here is module-global, so tests can build sessions side by side.
+
+Physical processes (torchrun, P >= 1) each play one sandbox virtual rank. Members of a virtual group
+that are physical exchange real data through an *inner* backend (gloo on CPU, NCCL on GPU) built over
+just those processes, with the group's own store prefix, so no process waits for a ghost to connect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from prism_megatron.comm.events import CommLog
+from prism_megatron.comm.ghost import GhostPolicy
+
+
+@dataclass(kw_only=True)
+class PhysicalWorld:
+    """The real processes: this one's physical rank and the virtual rank each of them plays."""
+
+    rank: int
+    sandbox_ranks: tuple[int, ...]
+    store: Optional[dist.Store] = None
+    device_type: str = "cpu"
+    timeout: timedelta = timedelta(minutes=30)
+
+    def __post_init__(self) -> None:
+        if len(self.sandbox_ranks) != len(set(self.sandbox_ranks)):
+            raise ValueError(f"sandbox ranks {list(self.sandbox_ranks)} repeat a virtual rank; "
+                             "give each physical process its own virtual rank")
+        if not 0 <= self.rank < len(self.sandbox_ranks):
+            raise ValueError(
+                f"physical rank {self.rank} has no sandbox rank: {len(self.sandbox_ranks)} given "
+                f"({list(self.sandbox_ranks)}); give one --prism-sandbox-ranks entry per process")
+        if len(self.sandbox_ranks) > 1 and self.store is None:
+            raise ValueError("several physical processes need a store to rendezvous")
+        self._physical_of = {v: p for p, v in enumerate(self.sandbox_ranks)}
+
+    @property
+    def size(self) -> int:
+        return len(self.sandbox_ranks)
+
+    @property
+    def virtual_rank(self) -> int:
+        return self.sandbox_ranks[self.rank]
+
+    def physical_of(self, virtual_rank: int) -> Optional[int]:
+        """The physical rank playing `virtual_rank`, or None for a ghost."""
+        return self._physical_of.get(virtual_rank)
+
+    def make_backend(self, store: dist.Store, physical_members: Sequence[int]):
+        """A real backend (gloo/NCCL) over `physical_members`, rendezvousing under `store`."""
+        rank = physical_members.index(self.rank)
+        size = len(physical_members)
+        if self.device_type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            backend = dist.ProcessGroupNCCL(store, rank, size, opts)
+            # Bind eagerly so p2p and collectives share one communicator per group.
+            return backend
+        return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+
+
+@dataclass(kw_only=True)
+class VirtualSession:
+    """This process in the virtual world: world size, its virtual rank, the real peers, ghost data."""
+
+    world_size: int
+    physical: PhysicalWorld
+    policy: GhostPolicy = field(default_factory=GhostPolicy)
+    world: Optional[object] = None
+    """The `VirtualWorld` (megatron dims) if known; used to label groups by dim."""
+    log: CommLog = field(default_factory=CommLog)
+    p2p_backend: Optional[object] = None
+    """Real backend over all physical processes, used only for real-to-real send/recv."""
+
+    def __post_init__(self) -> None:
+        bad = [v for v in self.physical.sandbox_ranks if not 0 <= v < self.world_size]
+        if bad:
+            raise ValueError(f"sandbox rank(s) {bad} are outside the virtual world of "
+                             f"{self.world_size} ranks; choose ranks in 0..{self.world_size - 1}")
+        if self.world is not None and getattr(self.world, "world_size", self.world_size) != self.world_size:
+            raise ValueError(f"virtual world describes {self.world.world_size} ranks but the session "
+                             f"has {self.world_size}")
+
+    @property
+    def virtual_rank(self) -> int:
+        return self.physical.virtual_rank
+
+    def connect_p2p(self) -> None:
+        """Build the real p2p backend among all physical processes (collective over them)."""
+        if self.physical.size > 1 and self.p2p_backend is None:
+            store = dist.PrefixStore("prism/p2p/", self.physical.store)
+            self.p2p_backend = self.physical.make_backend(store, list(range(self.physical.size)))
+
+    def dim_of(self, members: Sequence[int]) -> str:
+        """Megatron dim of a member list (tp, dp, ...), `world` for everyone, else `other`."""
+        if len(members) == self.world_size:
+            return "world"
+        if self.world is not None:
+            dim = self.world.dim_of(tuple(members))
+            if dim is not None:
+                return str(dim)
+        return "other"
+
+    def device(self) -> torch.device:
+        if self.physical.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

@@ -1,0 +1,135 @@
+"""Megatron-style command-line flags, generated from the config dataclasses.
+
+`add_prism_args(parser)` adds the `--prism-*` group (usable as Megatron-LM's `extra_args_provider`);
+`add_megatron_args(parser)` adds the common Megatron-LM flags our examples take
+(`--tensor-model-parallel-size`, `--num-layers`, ...). `config_from_args(args)` turns a parsed namespace
+into a validated `PrismConfig`: the flags are only another spelling of the config keys, so both paths
+end in the same dataclasses and the same validation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+from dataclasses import fields
+from functools import lru_cache
+from typing import Optional
+
+from prism_megatron.config.loader import load_config
+from prism_megatron.config.schema import (
+    EmulationConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrismConfig,
+    TrainConfig,
+)
+
+# --prism-<name> -> emulation.<field>; help comes from the field docstring.
+PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_seed", "gpus_per_node")
+
+# Megatron-LM flag -> config key. Booleans are store_true flags.
+MEGATRON_FLAGS: dict[str, str] = {
+    "--tensor-model-parallel-size": "parallel.tp",
+    "--pipeline-model-parallel-size": "parallel.pp",
+    "--context-parallel-size": "parallel.cp",
+    "--expert-model-parallel-size": "parallel.ep",
+    "--expert-tensor-parallel-size": "parallel.etp",
+    "--num-virtual-stages-per-pipeline-rank": "parallel.vpp",
+    "--sequence-parallel": "parallel.sequence_parallel",
+    "--num-layers": "model.num_layers",
+    "--hidden-size": "model.hidden_size",
+    "--num-attention-heads": "model.num_attention_heads",
+    "--ffn-hidden-size": "model.ffn_hidden_size",
+    "--num-experts": "model.num_experts",
+    "--moe-router-topk": "model.moe_router_topk",
+    "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
+    "--vocab-size": "model.vocab_size",
+    "--seq-length": "model.seq_length",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--global-batch-size": "train.global_batch_size",
+    "--train-iters": "train.iters",
+    "--lr": "train.lr",
+    "--seed": "train.seed",
+    "--use-distributed-optimizer": "train.use_distributed_optimizer",
+    "--overlap-grad-reduce": "train.overlap_grad_reduce",
+}
+_SECTIONS = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
+             "train": TrainConfig}
+
+
+@lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (the one source of help text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _field(key: str):
+    section, name = key.split(".")
+    return next(f for f in fields(_SECTIONS[section]) if f.name == name), field_docs(_SECTIONS[section])[name]
+
+
+def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `--prism-*` flags (Megatron-LM `extra_args_provider` signature)."""
+    group = parser.add_argument_group("prism", "virtual world emulation (prism_megatron)")
+    for name in PRISM_FLAGS:
+        f, doc = _field(f"emulation.{name}")
+        flag = "--prism-" + name.replace("_", "-")
+        if name == "sandbox_ranks":
+            group.add_argument(flag, type=int, nargs="+", default=None, help=doc)
+        else:
+            group.add_argument(flag, type=int if name != "ghost_policy" else str, default=None,
+                               help=doc)
+    group.add_argument("--prism-config", default=None,
+                       help="YAML config file (same keys as `prism-megatron config`); flags win over it")
+    group.add_argument("--prism-override", nargs="*", default=[], metavar="KEY=VALUE",
+                       help="config overrides, e.g. model=tiny_moe parallel.tp=2")
+    group.add_argument("--prism-summary-json", default=None,
+                       help="write a JSON summary of the run to this path (atomically)")
+    return parser
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the common Megatron-LM flags, each mapped onto its config key."""
+    group = parser.add_argument_group("megatron", "Megatron-LM flags (mapped onto the config)")
+    for flag, key in MEGATRON_FLAGS.items():
+        f, doc = _field(key)
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action="store_true", default=None, help=doc)
+        else:
+            kind = float if "float" in str(f.type) else int
+            group.add_argument(flag, type=kind, default=None, help=doc)
+    group.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    group.add_argument("--fp16", action="store_true", help="fp16 parameters and compute")
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                       help=field_docs(TrainConfig)["device"])
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, config_file: Optional[str] = None) -> PrismConfig:
+    """A validated `PrismConfig` from parsed flags (file < --prism-override < explicit flags)."""
+    overrides = list(getattr(args, "prism_override", []) or [])
+    for name in PRISM_FLAGS:
+        value = getattr(args, f"prism_{name}", None)
+        if value is not None:
+            rendered = "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else value
+            overrides.append(f"emulation.{name}={rendered}")
+    for flag, key in MEGATRON_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    if getattr(args, "bf16", False):
+        overrides.append("model.params_dtype=bf16")
+    if getattr(args, "fp16", False):
+        overrides.append("model.params_dtype=fp16")
+    if getattr(args, "device", None):
+        overrides.append(f"train.device={args.device}")
+    return load_config(overrides, config_file or getattr(args, "prism_config", None))

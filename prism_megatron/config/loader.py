@@ -1,0 +1,65 @@
+"""Build a validated `PrismConfig` from YAML files, presets and `key=value` overrides.
+
+Order of precedence (later wins): dataclass defaults, `model=<preset>` / `--prism-config FILE`, then
+dotted overrides such as `parallel.tp=8`. Every failure (unknown key, wrong type, a size that does not
+divide) becomes one `ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Iterable, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from prism_megatron.config.schema import ConfigError, ModelConfig, PrismConfig
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    # Small enough for CPU, big enough that routing is non-trivial: 8 experts, top-2.
+    "tiny_moe": ModelConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128),
+}
+"""Model presets selectable as `model=<name>` (the Hydra config-group spelling)."""
+
+
+def _preset(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"model={name!r} is not a preset; expected one of "
+                          f"{', '.join(sorted(MODEL_PRESETS))}")
+    return replace(MODEL_PRESETS[name])
+
+
+def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None) -> PrismConfig:
+    """Merge defaults, an optional YAML file and `key=value` overrides; validate; return the dataclass."""
+    base = OmegaConf.structured(PrismConfig)
+    overrides = list(overrides)
+    presets = [o for o in overrides if o.startswith("model=")]
+    dotted = [o for o in overrides if not o.startswith("model=")]
+    for item in dotted:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. parallel.tp=8")
+    try:
+        layers = [base]
+        if config_file is not None:
+            if not os.path.isfile(config_file):
+                raise ConfigError(f"config file {config_file!r} does not exist; give a YAML path")
+            file_cfg = OmegaConf.load(config_file)
+            if "model" in file_cfg and isinstance(file_cfg.model, str):
+                presets.insert(0, f"model={file_cfg.model}")
+                file_cfg.pop("model")
+            layers.append(file_cfg)
+        for item in presets:
+            layers.insert(1, OmegaConf.structured(PrismConfig(model=_preset(item.split("=", 1)[1]))))
+        layers.append(OmegaConf.from_dotlist(dotted))
+        merged = OmegaConf.merge(*layers)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"invalid config: {first}; see `prism-megatron config --help`") from None
+
+
+def to_yaml(cfg: PrismConfig) -> str:
+    """The resolved config as YAML (what every result records next to its figures)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,244 @@
+"""The config schema: one dataclass per component, the single source of every config name.
+
+These are omegaconf *structured configs*: `prism_megatron.config.load_config` merges YAML files and
+`key=value` overrides onto them and then instantiates the dataclasses, which runs `__post_init__`
+validation. Each field carries a docstring (the string literal under it); CLI help and the Megatron-style
+`--prism-*` flags are generated from those docstrings (see `config/docs.py`, `config/flags.py`).
+
+Validation raises `ConfigError` (a `ValueError`) whose message says what was wrong, what was expected
+and how to fix it; the CLI prints that one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+GHOST_POLICIES = ("mirror", "zeros", "random")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A user configuration error; its message is one line that teaches the fix."""
+
+
+def _require_positive(owner: str, **values: Optional[int]) -> None:
+    bad = {k: v for k, v in values.items() if v is not None and (not isinstance(v, int) or v < 1)}
+    if bad:
+        listed = ", ".join(f"{owner}.{k}={v!r}" for k, v in bad.items())
+        raise ConfigError(f"{listed}: expected positive integers; set each to 1 or more")
+
+
+@dataclass(kw_only=True)
+class EmulationConfig:
+    """How the virtual world is emulated: its size, which virtual ranks are real, ghost data."""
+
+    virtual_world_size: Optional[int] = None
+    """Number of ranks of the emulated job (N). None: no emulation, the physical world as launched."""
+
+    sandbox_ranks: List[int] = field(default_factory=list)
+    """Virtual rank played by each physical process, in physical-rank order; empty: ranks 0..P-1."""
+
+    ghost_policy: str = "mirror"
+    """Data a ghost contributes: mirror (a real member's contribution), zeros, or random (seeded)."""
+
+    ghost_seed: int = 1234
+    """Seed of the random ghost policy; identical on every real member, so results agree."""
+
+    gpus_per_node: int = 8
+    """GPUs per node of the emulated cluster (placement of virtual ranks on nodes)."""
+
+    def __post_init__(self) -> None:
+        _require_positive("emulation", virtual_world_size=self.virtual_world_size,
+                          gpus_per_node=self.gpus_per_node)
+        if self.ghost_policy not in GHOST_POLICIES:
+            raise ConfigError(
+                f"emulation.ghost_policy={self.ghost_policy!r} is unknown; expected one of "
+                f"{', '.join(GHOST_POLICIES)}")
+        ranks = list(self.sandbox_ranks)
+        if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
+            raise ConfigError(f"emulation.sandbox_ranks={ranks}: expected distinct ranks >= 0")
+        if self.virtual_world_size is not None:
+            out = [r for r in ranks if r >= self.virtual_world_size]
+            if out:
+                raise ConfigError(
+                    f"sandbox rank(s) {out} >= virtual world size {self.virtual_world_size}; "
+                    f"choose ranks in 0..{self.virtual_world_size - 1}")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Megatron parallel sizes; dp is derived: world / (tp * pp * cp)."""
+
+    tp: int = 1
+    """Tensor model parallel size (--tensor-model-parallel-size)."""
+
+    pp: int = 1
+    """Pipeline model parallel size (--pipeline-model-parallel-size)."""
+
+    cp: int = 1
+    """Context parallel size (--context-parallel-size)."""
+
+    ep: int = 1
+    """Expert model parallel size (--expert-model-parallel-size)."""
+
+    etp: Optional[int] = None
+    """Expert tensor parallel size (--expert-tensor-parallel-size); None: equal to tp."""
+
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank, interleaved 1F1B (--num-virtual-stages-per-pipeline-rank)."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside the tensor-parallel group (--sequence-parallel)."""
+
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order of the parallel dims, as megatron-core's initialize_model_parallel takes it."""
+
+    def __post_init__(self) -> None:
+        _require_positive("parallel", tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                          etp=self.etp, vpp=self.vpp)
+        if self.vpp is not None and self.pp < 2:
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 (got pp={self.pp}); "
+                              "unset vpp or raise pp")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1; "
+                              "turn it off or raise tp")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """GPT model shape (megatron-core GPTModel with its local, non-Transformer-Engine spec)."""
+
+    num_layers: int = 4
+    """Transformer layers (--num-layers)."""
+
+    hidden_size: int = 64
+    """Hidden size (--hidden-size)."""
+
+    num_attention_heads: int = 4
+    """Attention heads (--num-attention-heads)."""
+
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size (--ffn-hidden-size); None: 4 * hidden_size."""
+
+    num_experts: Optional[int] = None
+    """MoE experts per layer (--num-experts); None: dense model."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """Hidden size of each expert MLP (--moe-ffn-hidden-size); None: ffn_hidden_size."""
+
+    vocab_size: int = 256
+    """Vocabulary size (--vocab-size); padded like Megatron-LM to a multiple of 128 * tp."""
+
+    seq_length: int = 32
+    """Sequence length in tokens (--seq-length)."""
+
+    params_dtype: str = "fp32"
+    """Parameter/compute dtype: fp32, bf16 (--bf16) or fp16 (--fp16)."""
+
+    def __post_init__(self) -> None:
+        _require_positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                          num_attention_heads=self.num_attention_heads,
+                          ffn_hidden_size=self.ffn_hidden_size, num_experts=self.num_experts,
+                          moe_router_topk=self.moe_router_topk, vocab_size=self.vocab_size,
+                          seq_length=self.seq_length, moe_ffn_hidden_size=self.moe_ffn_hidden_size)
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size({self.hidden_size}) is not divisible by "
+                f"model.num_attention_heads({self.num_attention_heads}); pick sizes that divide")
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ConfigError(f"model.moe_router_topk({self.moe_router_topk}) > "
+                              f"model.num_experts({self.num_experts}); lower topk")
+        if self.params_dtype not in DTYPES:
+            raise ConfigError(f"model.params_dtype={self.params_dtype!r}; expected one of "
+                              f"{', '.join(DTYPES)}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Training loop settings (examples/pretrain_gpt.py)."""
+
+    micro_batch_size: int = 2
+    """Sequences per microbatch (--micro-batch-size)."""
+
+    global_batch_size: int = 4
+    """Sequences per iteration over all data-parallel replicas (--global-batch-size)."""
+
+    iters: int = 2
+    """Training iterations (--train-iters)."""
+
+    lr: float = 1.0e-4
+    """Adam learning rate (--lr)."""
+
+    seed: int = 1234
+    """Random seed (--seed)."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data parallel ranks (--use-distributed-optimizer)."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient reduce-scatter/all-reduce with backward (--overlap-grad-reduce)."""
+
+    device: str = "auto"
+    """Where the sandbox computes: cuda if available (auto), cpu (gloo + CPU runtime), or cuda."""
+
+    def __post_init__(self) -> None:
+        _require_positive("train", micro_batch_size=self.micro_batch_size,
+                          global_batch_size=self.global_batch_size, iters=self.iters)
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size({self.global_batch_size}) is not divisible by "
+                f"train.micro_batch_size({self.micro_batch_size})")
+        if self.device not in DEVICES:
+            raise ConfigError(f"train.device={self.device!r}; expected one of {', '.join(DEVICES)}")
+
+
+@dataclass(kw_only=True)
+class PrismConfig:
+    """Everything one run needs; cross-component checks live here."""
+
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        self.check_world(self.emulation.virtual_world_size)
+
+    def check_world(self, world_size: Optional[int]) -> None:
+        """Validate the sizes against a world of `world_size` ranks (None: physical, not known yet)."""
+        p, m = self.parallel, self.model
+        stages = p.pp * (p.vpp or 1)
+        if m.num_layers % stages:
+            raise ConfigError(
+                f"model.num_layers({m.num_layers}) is not divisible by parallel.pp({p.pp}) * "
+                f"parallel.vpp({p.vpp or 1}) = {stages}; choose layers that split evenly")
+        if m.num_attention_heads % p.tp:
+            raise ConfigError(f"model.num_attention_heads({m.num_attention_heads}) is not divisible "
+                              f"by parallel.tp({p.tp})")
+        if m.num_experts is not None and m.num_experts % p.ep:
+            raise ConfigError(f"model.num_experts({m.num_experts}) is not divisible by "
+                              f"parallel.ep({p.ep})")
+        if m.num_experts is None and p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} needs an MoE model; set model.num_experts "
+                              "(or model=tiny_moe)")
+        if world_size is None:
+            return
+        from prism_megatron.world import VirtualWorld  # validates every divisibility of the world
+
+        try:
+            world = VirtualWorld(world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                                 etp=p.etp, vpp=p.vpp, order=p.order,
+                                 gpus_per_node=self.emulation.gpus_per_node)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        t = self.train
+        if t.global_batch_size % (t.micro_batch_size * world.dp):
+            raise ConfigError(
+                f"train.global_batch_size({t.global_batch_size}) is not divisible by "
+                f"train.micro_batch_size({t.micro_batch_size}) * dp({world.dp}) = "
+                f"{t.micro_batch_size * world.dp}; raise the global batch size")

@@ -1,0 +1,95 @@
+"""Thin wrappers on torch.distributed's entry points that make the default group virtual.
+
+- `init_process_group`: rendezvous the *physical* processes as launched (torchrun env, or one process),
+  then create the default group with backend `prism`, world size N and this process's sandbox rank.
+- `new_group`: every group of a virtual world is a prism group (a `gloo` or `nccl` group over 8192
+  virtual ranks would try to connect to 8192 peers), so the requested backend and its options are
+  dropped and the default (prism) is used.
+- `broadcast_object_list`: from a ghost root there is no object to receive; the local list is kept,
+  the object-level analogue of the `mirror` policy (torch would otherwise read garbage sizes).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from prism_megatron.comm.backend import BACKEND_NAME
+from prism_megatron.comm.ghost import GhostPolicy
+from prism_megatron.comm.session import PhysicalWorld, VirtualSession
+from prism_megatron.config.schema import ConfigError, EmulationConfig
+
+
+def _physical_rendezvous(init_method, world_size, rank, store, timeout):
+    """(store, physical rank, physical size) of the processes as launched."""
+    if store is not None:
+        return store, rank, world_size
+    launched = init_method is not None or "WORLD_SIZE" in os.environ
+    if not launched or (init_method is None and int(os.environ.get("WORLD_SIZE", "1")) == 1
+                        and "MASTER_ADDR" not in os.environ):
+        return dist.HashStore(), 0, 1
+    store, rank, world_size = next(dist.rendezvous(init_method or "env://", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    return store, rank, world_size
+
+
+def make_init_process_group(original: Callable, emulation: EmulationConfig,
+                            on_session: Callable[[VirtualSession], None]) -> Callable:
+    """A replacement for `init_process_group` that builds the virtual default group."""
+
+    def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
+                           timeout: Optional[timedelta] = None, world_size: int = -1, rank: int = -1,
+                           store=None, group_name: str = "", pg_options=None, device_id=None,
+                           **kwargs) -> None:
+        timeout = timeout or timedelta(minutes=30)
+        store, p_rank, p_size = _physical_rendezvous(init_method, world_size, rank, store, timeout)
+        sandbox = tuple(emulation.sandbox_ranks) or tuple(range(p_size))
+        if len(sandbox) != p_size:
+            raise ConfigError(
+                f"{p_size} physical process(es) but {len(sandbox)} sandbox rank(s) "
+                f"{list(sandbox)}; give exactly one --prism-sandbox-ranks entry per process")
+        n = emulation.virtual_world_size
+        wants_cuda = (backend or "").split(":")[-1] == "nccl" or (
+            backend is None and torch.cuda.is_available())
+        physical = PhysicalWorld(rank=p_rank, sandbox_ranks=sandbox, store=store,
+                                 device_type="cuda" if wants_cuda else "cpu", timeout=timeout)
+        session = VirtualSession(world_size=n, physical=physical,
+                                 policy=GhostPolicy(name=emulation.ghost_policy,
+                                                    seed=emulation.ghost_seed))
+        on_session(session)
+        original(backend=BACKEND_NAME, store=dist.PrefixStore("prism/", store), rank=session.virtual_rank,
+                 world_size=n, timeout=timeout, group_name=group_name, pg_options=session)
+        session.connect_p2p()
+
+    return init_process_group
+
+
+def make_new_group(original: Callable) -> Callable:
+    """A replacement for `new_group` that keeps every group of the virtual world on prism."""
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, *args, **kwargs):
+        return original(ranks, timeout, None, None, *args, **kwargs)
+
+    return new_group
+
+
+def make_broadcast_object_list(original: Callable,
+                               session_of: Callable[[], Optional[VirtualSession]]) -> Callable:
+    """A replacement for `broadcast_object_list` that keeps the local objects when the root is a ghost."""
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        session = session_of()
+        if session is not None:
+            root = src
+            if group_src is not None:
+                root = dist.get_global_rank(group or dist.group.WORLD, group_src)
+            if root is not None and session.physical.physical_of(root) is None:
+                return None
+        return original(object_list, src=src, group=group, device=device, group_src=group_src)
+
+    return broadcast_object_list

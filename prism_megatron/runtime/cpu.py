@@ -1,0 +1,222 @@
+"""The CPU runtime: lets megatron-core's GPT (dense and MoE) train on CPU with gloo.
+
+megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects exactly those:
+
+- `device="cuda"` / `device=0` / `.cuda()` / `.to("cuda")` in megatron code (pipeline schedules, DDP
+  buffers, optimizers) become CPU, through one `TorchFunctionMode` that rewrites device arguments and
+  drops `pin_memory` (pinning needs CUDA); `tensor.type()` answers the CUDA type string
+  ('torch.cuda.FloatTensor'), by which megatron's optimizers sort parameters;
+- `torch.cuda.current_device/set_device/synchronize/empty_cache/nvtx`, streams and events (a CPU
+  event measures host time with perf_counter, which on CPU is the device's own clock);
+- the CUDA RNG used by megatron's RNG tracker maps to the CPU generator, which is what dropout on CPU
+  tensors draws from, so `get_cuda_rng_tracker().fork()` keeps its meaning;
+- `torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats` read the exact
+  storage tracker (`runtime.memory.StorageTracker`); reserved equals allocated on CPU;
+- megatron-core 0.16.1 without Transformer Engine names `te_general_gemm` in moe_utils; it is defined
+  as None so the router falls back to torch.
+
+Active only when no GPU is used: `activate()` refuses to run if CUDA is available, since redirecting
+CUDA calls on a GPU machine would silently move the job to the CPU.
+
+Known limits: CUDA graphs, Transformer Engine, apex fused kernels, FP8 and `torch.cuda.MemPool` are not
+emulated (use megatron's local specs); streams are serial (no compute/communication overlap on CPU);
+the device rewrite applies on the thread that activated the runtime (and autograd's backward,
+which runs CPU work on the calling thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from prism_megatron.runtime.memory import StorageTracker
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch function and tensor method."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=_CPU)
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers sort params by the legacy type string ('torch.cuda.FloatTensor').
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuEvent:
+    """torch.cuda.Event on CPU: host perf_counter at record(); elapsed_time in milliseconds."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, **_: Any) -> None:
+        self.enable_timing = enable_timing
+        self.time_s: Optional[float] = None
+
+    def record(self, stream: Any = None) -> None:
+        self.time_s = time.perf_counter()
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        if self.time_s is None or end.time_s is None:
+            raise RuntimeError("CpuEvent.elapsed_time: both events must be recorded first")
+        return (end.time_s - self.time_s) * 1e3
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+
+class CpuStream:
+    """torch.cuda.Stream on CPU: work is serial, so every wait is already satisfied."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.priority = priority
+        self.device = _CPU
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Optional[CpuEvent] = None) -> CpuEvent:
+        event = event or CpuEvent()
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
+@dataclass
+class CpuRuntime:
+    """Activates the CPU stand-ins for megatron-core's CUDA assumptions (see module docstring)."""
+
+    tracker: StorageTracker = field(default_factory=StorageTracker)
+    _patches: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    _mode: Optional[_CudaToCpuMode] = field(default=None, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def activate(self) -> "CpuRuntime":
+        if self.active:
+            return self
+        if torch.cuda.is_available():
+            raise RuntimeError("the CPU runtime redirects CUDA calls and is for machines without a "
+                               "GPU; train.device=cuda (or auto) uses the GPU instead")
+        cuda = torch.cuda
+        tracker = self.tracker
+        table: dict[str, Callable] = {
+            "current_device": lambda: 0,
+            "set_device": lambda device: None,
+            "device_count": lambda: 1,
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: None,
+            "Event": CpuEvent,
+            "Stream": CpuStream,
+            "current_stream": lambda device=None: _DEFAULT_STREAM,
+            "default_stream": lambda device=None: _DEFAULT_STREAM,
+            "stream": lambda s=None: contextlib.nullcontext(),
+            "set_stream": lambda s: None,
+            # Not torch.manual_seed: it calls torch.cuda.manual_seed_all, i.e. back into this table.
+            "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+            "manual_seed_all": lambda seed: torch.default_generator.manual_seed(int(seed)),
+            "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+            "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+            "memory_allocated": lambda device=None: tracker.allocated_bytes,
+            "max_memory_allocated": lambda device=None: tracker.peak_allocated_bytes,
+            "memory_reserved": lambda device=None: tracker.allocated_bytes,
+            "max_memory_reserved": lambda device=None: tracker.peak_allocated_bytes,
+            "reset_peak_memory_stats": lambda device=None: tracker.reset_peak(),
+            "memory_stats": lambda device=None: _memory_stats(tracker),
+        }
+        for name, value in table.items():
+            self._patch(cuda, name, value)
+        self._patch(cuda.random, "get_rng_state", table["get_rng_state"])
+        self._patch(cuda.random, "set_rng_state", table["set_rng_state"])
+        self._patch(cuda.nvtx, "range_push", lambda msg: None)
+        self._patch(cuda.nvtx, "range_pop", lambda: None)
+        self._patch_megatron()
+        self._mode = _CudaToCpuMode()
+        self._mode.__enter__()
+        tracker.start()
+        return self
+
+    def deactivate(self) -> None:
+        if not self.active:
+            return
+        self.tracker.stop()
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches.clear()
+
+    def __enter__(self) -> "CpuRuntime":
+        return self.activate()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.deactivate()
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._patches.append((owner, name, getattr(owner, name, None)))
+        setattr(owner, name, value)
+
+    def _patch_megatron(self) -> None:
+        try:
+            from megatron.core.tensor_parallel import random as mrandom
+            from megatron.core.transformer.moe import moe_utils
+        except ImportError:  # megatron-core absent: plain torch code still runs
+            return
+        self._patch(mrandom, "_get_cuda_rng_state",
+                    lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+        self._patch(mrandom, "_set_cuda_rng_state",
+                    lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+        if not hasattr(moe_utils, "te_general_gemm"):
+            self._patch(moe_utils, "te_general_gemm", None)
+
+
+def _memory_stats(tracker: StorageTracker) -> dict[str, int]:
+    allocated, peak = tracker.allocated_bytes, tracker.peak_allocated_bytes
+    return {"allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": allocated, "reserved_bytes.all.peak": peak}
