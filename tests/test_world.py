@@ -201,6 +201,8 @@ def test_accepts_exactly_what_megatron_accepts(monkeypatch):
         (dict(world_size=8, order="tp-dp-dp-pp"), ["repeats", "'dp'"]),
         (dict(world_size=16, cp=2, ep=2, order="tp-dp-pp"), ["leaves out", "cp(2)", "ep(2)"]),
         (dict(world_size=8, vpp=2), ["vpp(2)", "pp(1)"]),
+        (dict(world_size=16, vpp=2, cp=2, order="tp-dp-pp"), ["vpp(2)", "leaves out cp(2)"]),
+        (dict(world_size=8, order=None), ["order must be a string"]),
         (dict(world_size=16, tp=2, pp=2, ep=4, etp=1, order=PP_DP),
          ["pp not last", "dp = world/(tp*pp*cp) = 4", "expert_dp = world/(etp*ep*pp) = 2",
           "tp(2) * cp(1)", "etp(1) * ep(4)", "put pp last"]),

@@ -359,9 +359,9 @@ class PrismGroup(dist.ProcessGroup):
                 # Prefer what we sent the *other* way: a ghost previous stage's activations look
                 # like the ones we send on; a ghost next stage's gradients like the ones we send back.
                 other = [p for p in sent if p != srcRank]
-                raw = sent[other[-1]] if other else sent.get(srcRank)
-                if raw is None:
-                    t.zero_()
+                raw = sent[other[-1]] if other else None
+                if raw is None:  # nothing of ours looks like it yet: well-formed N(0, 1) data
+                    t.normal_(generator=self._gen(t.device, seq, i)())
                 else:
                     t.copy_(torch.from_numpy(raw).view(t.dtype).view(t.shape))
             else:
@@ -386,7 +386,8 @@ class PrismGroup(dist.ProcessGroup):
         return _done(None)
 
 
-def _split(tensor: torch.Tensor, sizes: Sequence[int], n: int) -> list[torch.Tensor]:
+def _split(tensor: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
+    sizes = [int(x) for x in sizes] if sizes is not None else []  # a list or a tensor of sizes
     if not sizes:
         if tensor.shape[0] % n:
             raise ValueError(f"all_to_all: dim 0 ({tensor.shape[0]}) is not divisible by the group "

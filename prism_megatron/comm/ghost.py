@@ -5,7 +5,10 @@ Policies (`GhostPolicy.name`):
 - ``mirror`` (default): a ghost contributes what the real members contribute. For reductions that is
   the mean of the real contributions, so a SUM over n members is ``(n / r) * sum(real)`` (exactly
   ``n * local`` with one real member) and an AVG or MAX is unchanged. For data movement (gathers,
-  all-to-all, broadcast/scatter from a ghost root, p2p recv) ghost j copies real member ``j mod r``.
+  all-to-all, broadcast/scatter from a ghost root) ghost j copies real member ``j mod r``. A p2p recv
+  from a ghost returns the last tensor of that shape and dtype this rank sent the *other* way (a
+  ghost previous stage's activations look like the ones we pass on; a ghost next stage's gradients
+  like the ones we pass back), and seeded N(0, 1) data before there is one.
 - ``zeros``: ghosts contribute zeros.
 - ``random``: ghosts contribute seeded standard-normal values; the draws depend only on the seed,
   the group and the call's sequence number, so every real member sees the same ghost data.

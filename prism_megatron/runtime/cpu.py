@@ -12,6 +12,9 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
   tensors draws from, so `get_cuda_rng_tracker().fork()` keeps its meaning;
 - `torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats` read the exact
   storage tracker (`runtime.memory.StorageTracker`); reserved equals allocated on CPU;
+- megatron's torch-norm fallback refuses sequence parallelism; the local specs get a torch norm that
+  marks its weights `sequence_parallel` so their gradients are summed over tensor-parallel ranks
+  (runtime/norm.py);
 - megatron-core 0.16.1 without Transformer Engine names `te_general_gemm` in moe_utils; it is defined
   as None so the router falls back to torch.
 
@@ -35,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from prism_megatron.runtime.memory import StorageTracker
+from prism_megatron.runtime.norm import SequenceParallelTorchNorm
 
 _CPU = torch.device("cpu")
 
@@ -214,6 +218,15 @@ class CpuRuntime:
                     lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
         if not hasattr(moe_utils, "te_general_gemm"):
             self._patch(moe_utils, "te_general_gemm", None)
+        from megatron.core.models import backends
+        from megatron.core.models.gpt import gpt_layer_specs
+        from megatron.core.transformer import transformer_block
+
+        # Only where megatron fell back to torch norms (no apex/TE): those refuse sequence parallel.
+        for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"),
+                            (transformer_block, "LayerNormImpl")):
+            if getattr(getattr(owner, name, None), "__name__", "") == "WrappedTorchNorm":
+                self._patch(owner, name, SequenceParallelTorchNorm)
 
 
 def _memory_stats(tracker: StorageTracker) -> dict[str, int]:

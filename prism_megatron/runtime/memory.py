@@ -1,34 +1,30 @@
 """Exact accounting of live CPU tensor storage: the CPU stand-in for CUDA's memory statistics.
 
-On GPU a sandbox rank reads ``torch.cuda.memory_allocated`` / ``max_memory_allocated``. On CPU there
-is no such allocator statistic, so :class:`StorageTracker` counts storages itself: a
-``TorchDispatchMode`` sees the outputs of every aten op run by the thread that started it (factory
-functions, op outputs, the autograd backward pass, ``.to``, ``out=`` ops), records each new CPU
-storage with its exact ``nbytes()`` and observes its release through a weak reference. Views share
-their base's storage and are counted once. ``allocated_bytes`` is the live total,
-``peak_allocated_bytes`` its maximum, and every byte carries a :class:`MemCategory` label (the
-categories of ``torch.distributed._tools.mem_tracker``).
+On GPU a sandbox rank reads ``torch.cuda.memory_allocated`` / ``max_memory_allocated``; on CPU
+:class:`StorageTracker` counts storages itself. A ``TorchDispatchMode`` sees the outputs of every aten
+op of the thread that started it (factories, op outputs, autograd backward, ``.to``, ``out=`` ops),
+records each new CPU storage with its exact ``nbytes()`` (views share it and count once) and observes
+its release through a weak reference. ``allocated_bytes`` is the live total, ``peak_allocated_bytes``
+its maximum, and every byte carries a :class:`MemCategory` (the categories of
+``torch.distributed._tools.mem_tracker``).
 
-Labels: a new storage gets the category of the current phase (``set_phase("forward")`` -> ACT,
-anything else -> TEMP). ``classify`` re-labels storages, and ``register_model`` /
-``register_optimizer`` do it for parameters, buffers, gradients (``.grad`` and megatron's
-``.main_grad``) and optimizer state, again after every gradient accumulation and optimizer step while
-the tracker is active. A label says what a storage *is*; one learned later (the optimizer state made
-by the first step, which is often where the peak is) is applied to ``peak_by_category`` too when the
-storage was already live, unresized, at the peak.
+Labels: a new storage gets the category of the phase (``set_phase("forward")`` -> ACT, else TEMP).
+``classify`` re-labels storages; ``register_model`` / ``register_optimizer`` do it for parameters,
+buffers, gradients (``.grad``, megatron's ``.main_grad``) and optimizer state, and again after every
+gradient accumulation and optimizer step while active. A label says what a storage *is*: one learned
+later (optimizer state made by the first step, often where the peak is) also re-labels the storage's
+share of ``peak_by_category`` if it was live, unresized, at the peak.
 
-Identity of a storage is ``untyped_storage()._cdata`` (the address of the ``StorageImpl``): it is
-shared by all views and stays the same across resizes, while ``data_ptr()`` changes on reallocation.
-Torch keeps one Python object per live storage, so a weak reference to it dies exactly when the
-storage is freed, wherever the last tensor was dropped.
+A storage is identified by ``untyped_storage()._cdata`` (its ``StorageImpl`` address): shared by all
+views and stable across resizes, unlike ``data_ptr()``. Torch keeps one Python object per live
+storage, so a weak reference to it dies exactly when the storage is freed, on whichever thread.
 
 Known limitations
 -----------------
-- Only storages that come out of aten ops on the thread that called ``start()`` are seen (dispatch
-  modes are thread-local). Storages created elsewhere - other threads, ``torch.from_numpy``,
-  ``torch.UntypedStorage(n)``, C++ extensions that bypass the dispatcher, pinned or shared-memory
-  buffers made outside aten - are invisible unless adopted with ``track_existing``/``classify``.
-  Frees and resizes of tracked storages are seen from any thread.
+- Only storages coming out of aten ops on the thread that called ``start()`` are seen (dispatch
+  modes are thread-local); those from other threads, ``torch.from_numpy``, ``torch.UntypedStorage(n)``
+  or C++ extensions bypassing the dispatcher are invisible unless adopted (``track_existing``,
+  ``classify``). Frees and resizes of tracked storages are seen from any thread.
 - Storages that existed before ``start()`` are not counted until adopted. An op whose output aliases
   its input without saying so in its schema (e.g. ``aten::_unsafe_view``) adopts that input's storage
   if it was untracked.
@@ -50,11 +46,19 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
-from enum import StrEnum
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10 (setup.cfg allows it); same behaviour for our use.
+    from enum import Enum
+
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return str(self.value)
 
 __all__ = ["MemCategory", "StorageTracker"]
 
@@ -114,18 +118,13 @@ def _category_index(category: MemCategory | str) -> int:
 
 
 def _iter_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None] | None) -> Iterator[torch.Tensor]:
-    if tensors is None:
-        return
-    if isinstance(tensors, torch.Tensor):
-        yield tensors
-        return
+    if isinstance(tensors, torch.Tensor) or tensors is None:
+        tensors = (tensors,)
     for tensor in tensors:
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"expected tensors (or None), got {type(tensor).__name__}; pass an iterable of tensors"
-            )
+            raise TypeError(f"expected tensors or None, got {type(tensor).__name__}; pass an iterable of tensors")
         yield tensor
 
 
@@ -141,11 +140,9 @@ def _cpu_storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
 class _StorageRecord(weakref.ref):
     """A weak reference to one tracked storage that also carries its accounting."""
 
+    # key: _cdata; index: position of its MemCategory in _CATEGORIES; seq: the accounting event
+    # that last set nbytes (tells whether the storage was live with these bytes at the peak)
     __slots__ = ("key", "nbytes", "index", "seq")
-    key: int
-    nbytes: int
-    index: int  # position of its MemCategory in _CATEGORIES
-    seq: int  # accounting event that last set nbytes (for re-labelling the peak)
 
 
 class _OutputObserver(TorchDispatchMode):
@@ -172,7 +169,7 @@ class _OutputObserver(TorchDispatchMode):
 # that trackers see resizes of the storages they know. Guarded by _WATCH_LOCK.
 _WATCH_LOCK = threading.Lock()
 _RESIZE_WATCHERS: list[StorageTracker] = []
-_SAVED_RESIZE: list[Any] = []  # the class attribute we replaced (empty: it was inherited)
+_SAVED_RESIZE: list[Any] = [None]  # UntypedStorage's own resize_ before ours (None: inherited)
 
 
 def _resize_and_report(storage: torch.UntypedStorage, size: int) -> Any:
@@ -186,7 +183,7 @@ def _resize_and_report(storage: torch.UntypedStorage, size: int) -> Any:
 def _watch_resizes(tracker: StorageTracker) -> None:
     with _WATCH_LOCK:
         if not _RESIZE_WATCHERS:
-            _SAVED_RESIZE[:] = [torch.UntypedStorage.__dict__["resize_"]] if "resize_" in torch.UntypedStorage.__dict__ else []
+            _SAVED_RESIZE[0] = torch.UntypedStorage.__dict__.get("resize_")
             torch.UntypedStorage.resize_ = _resize_and_report  # type: ignore[method-assign]
         _RESIZE_WATCHERS.append(tracker)
 
@@ -194,12 +191,11 @@ def _watch_resizes(tracker: StorageTracker) -> None:
 def _unwatch_resizes(tracker: StorageTracker) -> None:
     with _WATCH_LOCK:
         _RESIZE_WATCHERS.remove(tracker)
-        # Restore only our own wrapper; if someone wrapped it after us, ours stays as a pass-through.
+        # Undo only our own wrapper; if someone wrapped it after us, ours stays as a pass-through.
         if not _RESIZE_WATCHERS and torch.UntypedStorage.__dict__.get("resize_") is _resize_and_report:
-            if _SAVED_RESIZE:
+            del torch.UntypedStorage.resize_
+            if _SAVED_RESIZE[0] is not None:
                 torch.UntypedStorage.resize_ = _SAVED_RESIZE[0]  # type: ignore[method-assign]
-            else:
-                del torch.UntypedStorage.resize_
 
 
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -293,9 +289,7 @@ class StorageTracker:
     def set_phase(self, phase: str | None) -> None:
         """Set the phase; new storages become ACT in "forward" and TEMP otherwise."""
         if phase not in _PHASE_INDEX:
-            raise ValueError(
-                f"unknown phase {phase!r}; expected 'forward', 'backward', 'optimizer' or None"
-            )
+            raise ValueError(f"unknown phase {phase!r}; expected 'forward', 'backward', 'optimizer' or None")
         self._phase = phase
         self._default_index = _PHASE_INDEX[phase]
 
@@ -320,6 +314,8 @@ class StorageTracker:
         self.classify(params, MemCategory.PARAM)
         self.classify(torch.nn.Module.buffers(module), MemCategory.BUFFER)
         self.classify(self._grads_of(params), MemCategory.GRAD)
+        if any(ref() is module for ref in self._models):
+            return
         self._models.append(weakref.ref(module))
         if self._active:
             self._hook_model(module)
@@ -333,6 +329,8 @@ class StorageTracker:
         """
         for inner in _torch_optimizers(optimizer):
             self._classify_optimizer(inner)
+            if any(ref() is inner for ref in self._optimizers):
+                continue
             self._optimizers.append(weakref.ref(inner))
             if self._active:
                 self._hook_optimizer(inner)
@@ -509,7 +507,7 @@ class StorageTracker:
             if param.requires_grad:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
-    def _on_grad(self, param: torch.Tensor) -> None:
+    def _on_grad(self, param: torch.Tensor) -> None:  # post-accumulate-grad hook
         self.classify(param.grad, MemCategory.GRAD)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
