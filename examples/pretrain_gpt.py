@@ -214,6 +214,17 @@ def _pipeline_loss(losses, pp_group, last_stage, inst, device):
     return float(value.item())
 
 
+def summary_file(path: str, virtual_rank: int) -> str:
+    """`{rank}` in the path is the virtual rank; with several processes and no `{rank}`, it is
+    inserted before the extension so that processes never write one file."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(virtual_rank))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        stem, ext = os.path.splitext(path)
+        return f"{stem}.rank{virtual_rank}{ext}"
+    return path
+
+
 def _finish(summary, inst, summary_path):
     key = "peak_tracked_bytes" if inst.tracker is not None else "peak_allocated_bytes"
     summary[key] = int(inst.peak_memory_bytes())
@@ -222,7 +233,8 @@ def _finish(summary, inst, summary_path):
     if inst.session is not None:
         summary["comm"] = inst.session.log.rows()
     if summary_path:
-        atomic_write_text(summary_path, json.dumps(summary, indent=1))
+        atomic_write_text(summary_file(summary_path, summary["virtual_rank"]),
+                          json.dumps(summary, indent=1))
     finite = [x for x in summary["losses"] + summary["grad_norms"] if x is not None]
     if not all(math.isfinite(x) for x in finite):
         print(f"error: non-finite loss or grad norm on rank {summary['virtual_rank']}", file=sys.stderr)

@@ -16,7 +16,8 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
   marks its weights `sequence_parallel` so their gradients are summed over tensor-parallel ranks
   (runtime/norm.py);
 - megatron-core 0.16.1 without Transformer Engine names `te_general_gemm` in moe_utils; it is defined
-  as None so the router falls back to torch.
+  as None so the router falls back to torch; the all-to-all dispatcher's split sizes reach torch as
+  numpy arrays, as they do after the device-to-host copy on GPU.
 
 Active only when no GPU is used: `activate()` refuses to run if CUDA is available, since redirecting
 CUDA calls on a GPU machine would silently move the job to the CPU.
@@ -218,6 +219,13 @@ class CpuRuntime:
                     lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
         if not hasattr(moe_utils, "te_general_gemm"):
             self._patch(moe_utils, "te_general_gemm", None)
+        from megatron.core.transformer.moe import token_dispatcher
+
+        # On GPU the all-to-all split sizes become numpy arrays on their way to the host, which is
+        # what torch's all_to_all_single binding accepts; on CPU they would stay tensors.
+        for owner in (moe_utils, token_dispatcher):
+            if hasattr(owner, "maybe_move_tensor_to_cpu"):
+                self._patch(owner, "maybe_move_tensor_to_cpu", _splits_to_host)
         from megatron.core.models import backends
         from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.transformer import transformer_block
@@ -227,6 +235,12 @@ class CpuRuntime:
                             (transformer_block, "LayerNormImpl")):
             if getattr(getattr(owner, name, None), "__name__", "") == "WrappedTorchNorm":
                 self._patch(owner, name, SequenceParallelTorchNorm)
+
+
+def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _memory_stats(tracker: StorageTracker) -> dict[str, int]:

@@ -78,12 +78,8 @@ _CATEGORIES: tuple[MemCategory, ...] = tuple(MemCategory)
 _INDEX = {category: index for index, category in enumerate(_CATEGORIES)}
 _ALL_INDICES = frozenset(_INDEX.values())
 _PARAM_LIKE = frozenset((_INDEX[MemCategory.PARAM], _INDEX[MemCategory.BUFFER]))
-_PHASE_INDEX: dict[str | None, int] = {
-    "forward": _INDEX[MemCategory.ACT],
-    "backward": _INDEX[MemCategory.TEMP],
-    "optimizer": _INDEX[MemCategory.TEMP],
-    None: _INDEX[MemCategory.TEMP],
-}
+_TEMP, _ACT = _INDEX[MemCategory.TEMP], _INDEX[MemCategory.ACT]
+_PHASE_INDEX: dict[str | None, int] = {"forward": _ACT, "backward": _TEMP, "optimizer": _TEMP, None: _TEMP}
 
 # How an op's return relates to its inputs (from the schema's alias annotations).
 _FRESH, _VIEW, _WRITTEN = 0, 1, 2
@@ -93,17 +89,12 @@ _SKIP = ((), ())  # plan of an op that returns only views: nothing to look at
 def _plan_for(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Per-op plan: the kind of each return, and ``out=`` arguments that are written but not returned."""
     schema = func._schema
-    kinds = tuple(
-        _FRESH if ret.alias_info is None else _WRITTEN if ret.alias_info.is_write else _VIEW
-        for ret in schema.returns
-    )
+    kinds = tuple(_FRESH if ret.alias_info is None else _WRITTEN if ret.alias_info.is_write else _VIEW
+                  for ret in schema.returns)
     out_names: tuple[str, ...] = ()
     if _WRITTEN not in kinds:
-        out_names = tuple(
-            arg.name
-            for arg in schema.arguments
-            if arg.is_out and arg.alias_info is not None and arg.alias_info.is_write
-        )
+        out_names = tuple(arg.name for arg in schema.arguments
+                          if arg.is_out and arg.alias_info is not None and arg.alias_info.is_write)
     if _FRESH not in kinds and _WRITTEN not in kinds and not out_names:
         return _SKIP
     return kinds, out_names
@@ -242,7 +233,6 @@ class StorageTracker:
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hook_handles: list[Any] = []
 
-    # ----------------------------------------------------------------------------- lifecycle
     def start(self) -> StorageTracker:
         """Begin observing ops of the calling thread; hooks of registered objects are installed."""
         if self._active:
@@ -280,7 +270,6 @@ class StorageTracker:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.stop()
 
-    # ----------------------------------------------------------------------------- labels
     @property
     def phase(self) -> str | None:
         """The current phase: "forward", "backward", "optimizer" or None."""
@@ -335,7 +324,6 @@ class StorageTracker:
             if self._active:
                 self._hook_optimizer(inner)
 
-    # ----------------------------------------------------------------------------- queries
     @property
     def allocated_bytes(self) -> int:
         """Bytes of live tracked storage now."""
@@ -369,7 +357,6 @@ class StorageTracker:
             self._peak_counts = self._counts.copy()
             self._peak_seq = self._seq
 
-    # ----------------------------------------------------------------------------- internals
     def _observe(self, plan: tuple[tuple[int, ...], tuple[str, ...]], out: Any,
                  kwargs: dict[str, Any] | None) -> None:
         """Account the outputs of one op (called by the dispatch mode: the hot path)."""

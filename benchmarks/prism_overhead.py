@@ -1,0 +1,266 @@
+"""What the prism backend costs per training iteration when nothing is virtual (N = physical world).
+
+Runs examples/pretrain_gpt.py under torchrun (gloo, CPU) twice per repetition, interleaved
+(plain, prism, plain, prism, ...) so that machine noise hits both sides alike. `prism` is the same
+command with `--prism-virtual-world-size <physical world>`: every collective then goes through
+`PrismGroup` onto the inner gloo group, with no ghosts. Per side and config:
+
+  median_ms      median job iteration time over every measured iteration of every repetition; a
+                 job iteration is the slowest rank's (ranks synchronize on the loss broadcast)
+  spread         run-to-run spread: (max - min) / median of the per-run medians
+  ratio          median prism / median plain; goal <= 1.05 (GOAL_RATIO)
+  paired         prism / plain of each repetition's pair of runs (min..max)
+  calls/iter     collectives and p2p calls per iteration and rank, from prism's comm log
+  us/call        (prism - plain) / calls per iteration: the cost of one call through prism
+  losses         whether every rank's losses and grad norms were bitwise identical between all
+                 plain and prism runs (they should be: without ghosts prism returns gloo's result)
+
+The first `--warmup` iterations of each run are left out (allocation, first-touch of buffers).
+Start-up (torchrun, imports, model build) is not measured; on a 2-core machine it is ~15 s a run.
+
+Known limitations: four processes on a small machine share cores, so single iterations vary by
++-20%; the medians of several runs are what to read. The default model is megatron's tiny one
+(hidden 64): an iteration is mostly Python and communication latency, the worst case for a
+per-call overhead; a bigger model dilutes it. `moe-tp2-sp-ep2` (expert parallel, all-to-all token
+dispatch) is listed but not in the defaults: on CPU, megatron-core 0.16.1's
+`moe_utils.maybe_move_tensor_to_cpu` leaves the split sizes as torch tensors (it converts to numpy
+only for CUDA tensors), and gloo's `all_to_all_single` (plain) and `PrismGroup.alltoall_base`
+(prism, no-ghost path) reject them with a TypeError.
+
+Usage: python benchmarks/prism_overhead.py [--iters 6] [--warmup 2] [--reps 3]
+           [--configs tp2-pp2,moe-tp2-sp-dp2] [--json PATH]
+Exit status: 0; 1 if a run failed or losses differ between plain and prism; 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from prism_megatron.util import atomic_write_text
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "examples", "pretrain_gpt.py")
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+GOAL_RATIO = 1.05
+RUN_TIMEOUT_S = 600
+SIDES = ("plain", "prism")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One parallel layout of pretrain_gpt.py, run by `nproc` processes."""
+
+    name: str
+    """Short name, as given to --configs."""
+    args: tuple[str, ...]
+    """pretrain_gpt.py flags (parallel sizes, model, batch)."""
+    nproc: int = 4
+    """Physical processes; also N of the prism run."""
+
+
+CONFIGS = {c.name: c for c in (
+    BenchConfig(name="tp2-pp2", args=(
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--global-batch-size", "8")),
+    BenchConfig(name="moe-tp2-sp-dp2", args=(
+        "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--global-batch-size", "8")),
+    BenchConfig(name="moe-tp2-sp-ep2", args=(
+        "--num-experts", "4", "--expert-model-parallel-size", "2",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "8")),
+)}
+DEFAULT_CONFIGS = ("tp2-pp2", "moe-tp2-sp-dp2")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_once(cfg: BenchConfig, side: str, rep: int, iters: int, workdir: str) -> dict:
+    """One torchrun job; returns its per-rank summaries, or an `error` line if it failed."""
+    stem = os.path.join(workdir, f"{cfg.name}-{side}-{rep}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc),
+           "--master-port", str(free_port()), SCRIPT, "--device", "cpu", "--train-iters", str(iters),
+           "--prism-summary-json", stem + ".rank{rank}.json", *cfg.args]
+    if side == "prism":
+        cmd += ["--prism-virtual-world-size", str(cfg.nproc)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.perf_counter()
+    with open(stem + ".log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the group of the torchrun we started, with its workers
+            proc.wait()
+            rc = None
+    wall_s = time.perf_counter() - start
+    if rc != 0:
+        return {"side": side, "rep": rep, "wall_s": wall_s, "error": first_error(stem + ".log", rc)}
+    ranks = []
+    for r in range(cfg.nproc):
+        with open(f"{stem}.rank{r}.json") as f:
+            ranks.append(json.load(f))
+    return {"side": side, "rep": rep, "wall_s": wall_s, "ranks": ranks}
+
+
+def first_error(log_path: str, rc) -> str:
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if "Error" in line and ":" in line and "Traceback" not in line:
+                return line.strip()[:300]
+    return f"exit status {rc} (timeout {RUN_TIMEOUT_S} s)" if rc is None else f"exit status {rc}"
+
+
+def job_times_ms(run: dict, warmup: int) -> list[float]:
+    """Per measured iteration, the slowest rank's time."""
+    per_rank = [r["iteration_times_ms"] for r in run["ranks"]]
+    return [max(ts) for ts in zip(*per_rank)][warmup:]
+
+
+def numerics(run: dict) -> list:
+    return [(r["losses"], r["grad_norms"]) for r in run["ranks"]]
+
+
+def calls_per_iter(run: dict, iters: int) -> float:
+    """Mean over ranks of comm calls (collectives + p2p, set-up included) per iteration."""
+    totals = [sum(row["calls"] for row in r.get("comm", [])) for r in run["ranks"]]
+    return statistics.mean(totals) / iters
+
+
+def summarize(cfg: BenchConfig, runs: list[dict], iters: int, warmup: int) -> dict:
+    out: dict = {"config": cfg.name, "args": list(cfg.args), "nproc": cfg.nproc, "runs": []}
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        out["error"] = f"{failed[0]['side']} run {failed[0]['rep']}: {failed[0]['error']}"
+    for r in runs:
+        row = {"side": r["side"], "rep": r["rep"], "wall_s": round(r["wall_s"], 2)}
+        if "error" in r:
+            row["error"] = r["error"]
+        else:
+            times = job_times_ms(r, warmup)
+            row.update(iteration_times_ms=[round(t, 3) for t in times],
+                       median_ms=statistics.median(times))
+        out["runs"].append(row)
+    if failed:
+        return out
+    for side in SIDES:
+        mine = [r for r in out["runs"] if r["side"] == side]
+        medians = [r["median_ms"] for r in mine]
+        median = statistics.median(t for r in mine for t in r["iteration_times_ms"])
+        out[side] = {"median_ms": median, "spread": (max(medians) - min(medians)) / median,
+                     "run_medians_ms": medians}
+    out["ratio"] = out["prism"]["median_ms"] / out["plain"]["median_ms"]
+    pairs = zip(*([r["median_ms"] for r in out["runs"] if r["side"] == s] for s in SIDES))
+    out["paired_ratios"] = [prism / plain for plain, prism in pairs]
+    out["calls_per_iter"] = calls_per_iter(next(r for r in runs if r["side"] == "prism"), iters)
+    out["overhead_per_call_us"] = ((out["prism"]["median_ms"] - out["plain"]["median_ms"]) * 1e3
+                                   / out["calls_per_iter"])
+    reference = numerics(runs[0])
+    out["losses_identical"] = all(numerics(r) == reference for r in runs)
+    out["goal_met"] = out["ratio"] <= GOAL_RATIO
+    return out
+
+
+def bench(cfg: BenchConfig, iters: int, warmup: int, reps: int, workdir: str) -> dict:
+    runs = []
+    for rep in range(reps):
+        for side in SIDES:
+            run = run_once(cfg, side, rep, iters, workdir)
+            runs.append(run)
+            shown = (f"error: {run['error']}" if "error" in run else
+                     f"median {statistics.median(job_times_ms(run, warmup)):.1f} ms")
+            print(f"  [{cfg.name}] rep {rep + 1}/{reps} {side:<5}: {shown} "
+                  f"(wall {run['wall_s']:.1f} s)", flush=True)
+            if "error" in run:  # the rest of this config would fail the same way
+                return summarize(cfg, runs, iters, warmup)
+    return summarize(cfg, runs, iters, warmup)
+
+
+def print_table(rows: list[dict], iters: int, warmup: int, reps: int) -> None:
+    header = (f"{'config':<16}{'plain ms':>10}{'spread':>8}{'prism ms':>10}{'spread':>8}"
+              f"{'prism/plain':>13}{'goal':>6}{'paired':>13}{'calls/it':>10}{'us/call':>9}"
+              f"  losses")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:<16}failed: {r['error']}")
+            continue
+        paired = f"{min(r['paired_ratios']):.3f}..{max(r['paired_ratios']):.3f}"
+        print(f"{r['config']:<16}{r['plain']['median_ms']:>10.1f}{r['plain']['spread']:>7.1%} "
+              f"{r['prism']['median_ms']:>10.1f}{r['prism']['spread']:>7.1%} "
+              f"{r['ratio']:>13.3f}{'ok' if r['goal_met'] else 'MISS':>6}{paired:>13}"
+              f"{r['calls_per_iter']:>10.0f}{r['overhead_per_call_us']:>9.1f}"
+              f"  {'bitwise identical' if r['losses_identical'] else 'DIFFER'}")
+    print(f"goal: prism/plain <= {GOAL_RATIO}; medians of {iters - warmup} iterations x {reps} runs "
+          f"per side (first {warmup} of each run left out); spread = (max - min) / median of the "
+          f"run medians; paired = prism/plain per repetition; us/call = (prism - plain) / calls/it")
+
+
+def default_json_path() -> str:
+    date = datetime.date.today().isoformat()
+    return os.path.join(RESULTS_DIR, f"prism_overhead-{socket.gethostname()}-{date}.json")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=6, help="training iterations per run")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="first iterations of each run left out of the figures")
+    parser.add_argument("--reps", type=int, default=3, help="runs per side, interleaved")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="results file (default: benchmarks/results/"
+                             "prism_overhead-<hostname>-<date>.json)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        parser.error(f"--configs: unknown {unknown or 'empty list'}; expected names among "
+                     f"{', '.join(CONFIGS)}, comma-separated")
+    if args.iters <= args.warmup or args.warmup < 0 or args.reps < 1:
+        parser.error(f"need --iters({args.iters}) > --warmup({args.warmup}) >= 0 and "
+                     f"--reps({args.reps}) >= 1")
+    args.configs = names
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="prism_overhead.") as workdir:
+        for name in args.configs:
+            rows.append(bench(CONFIGS[name], args.iters, args.warmup, args.reps, workdir))
+    total_s = time.perf_counter() - start
+    print()
+    print_table(rows, args.iters, args.warmup, args.reps)
+    print(f"total {total_s:.0f} s")
+    path = args.json or default_json_path()
+    payload = {"benchmark": "prism_overhead", "host": socket.gethostname(),
+               "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "goal_ratio": GOAL_RATIO, "iters": args.iters, "warmup": args.warmup,
+               "reps": args.reps, "cpu_count": os.cpu_count(), "total_s": total_s, "rows": rows}
+    atomic_write_text(path, json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}")
+    ok = all("error" not in r and r["losses_identical"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
