@@ -18,17 +18,23 @@ command with `--prism-virtual-world-size <physical world>`: every collective the
 The first `--warmup` iterations of each run are left out (allocation, first-touch of buffers).
 Start-up (torchrun, imports, model build) is not measured; on a 2-core machine it is ~15 s a run.
 
-Known limitations: four processes on a small machine share cores, so single iterations vary by
-+-20%; the medians of several runs are what to read. The default model is megatron's tiny one
-(hidden 64): an iteration is mostly Python and communication latency, the worst case for a
-per-call overhead; a bigger model dilutes it. `moe-tp2-sp-ep2` (expert parallel, all-to-all token
-dispatch) is listed but not in the defaults: on CPU, megatron-core 0.16.1's
-`moe_utils.maybe_move_tensor_to_cpu` leaves the split sizes as torch tensors (it converts to numpy
-only for CUDA tensors), and gloo's `all_to_all_single` (plain) and `PrismGroup.alltoall_base`
-(prism, no-ghost path) reject them with a TypeError.
+Configs (4 processes each, global batch 8, megatron's default tiny model):
+  tp2-pp2          dense GPT, TP2 x PP2 (DP1): tensor-parallel all-reduces, pipeline send/recv
+  moe-dp4-ep2      MoE (4 experts), DP4 with EP2: all-to-all token dispatch over the expert axis
+  moe-tp2-sp-dp2   MoE, TP2 with sequence parallel, DP2, EP1: all-gather/reduce-scatter over TP
+  moe-tp2-sp-ep2   not in the defaults: fails on CPU in plain gloo as well. With TP > 1 the
+                   all-to-all dispatcher gathers tokens of uneven counts over TP (megatron's
+                   `_gather_along_first_dim` with output_split_sizes -> `dist.all_gather` of
+                   tensors of different sizes), which NCCL allows and gloo rejects.
 
-Usage: python benchmarks/prism_overhead.py [--iters 6] [--warmup 2] [--reps 3]
-           [--configs tp2-pp2,moe-tp2-sp-dp2] [--json PATH]
+Known limitations: four processes on a small machine share cores (and with anything else running
+on it), so single iterations vary by +-20% or more; the medians of several runs are what to read.
+The model is megatron's tiny default (hidden 64): an iteration is mostly Python and communication
+latency, the worst case for a per-call overhead; a bigger model dilutes it. calls/iter counts the
+set-up collectives too (a few per run).
+
+Usage: python benchmarks/prism_overhead.py [--iters 10] [--warmup 2] [--reps 3]
+           [--configs tp2-pp2,moe-dp4-ep2] [--json PATH]
 Exit status: 0; 1 if a run failed or losses differ between plain and prism; 2 on bad arguments.
 """
 
@@ -72,6 +78,8 @@ CONFIGS = {c.name: c for c in (
     BenchConfig(name="tp2-pp2", args=(
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--global-batch-size", "8")),
+    BenchConfig(name="moe-dp4-ep2", args=(
+        "--num-experts", "4", "--expert-model-parallel-size", "2", "--global-batch-size", "8")),
     BenchConfig(name="moe-tp2-sp-dp2", args=(
         "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--global-batch-size", "8")),
@@ -79,7 +87,7 @@ CONFIGS = {c.name: c for c in (
         "--num-experts", "4", "--expert-model-parallel-size", "2",
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "8")),
 )}
-DEFAULT_CONFIGS = ("tp2-pp2", "moe-tp2-sp-dp2")
+DEFAULT_CONFIGS = ("tp2-pp2", "moe-dp4-ep2")
 
 
 def free_port() -> int:
@@ -218,7 +226,7 @@ def default_json_path() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=6, help="training iterations per run")
+    parser.add_argument("--iters", type=int, default=10, help="training iterations per run")
     parser.add_argument("--warmup", type=int, default=2,
                         help="first iterations of each run left out of the figures")
     parser.add_argument("--reps", type=int, default=3, help="runs per side, interleaved")

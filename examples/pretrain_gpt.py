@@ -33,7 +33,12 @@ import torch.distributed as dist
 
 import prism_megatron
 from prism_megatron.config import ConfigError
-from prism_megatron.config.flags import add_megatron_args, add_prism_args, config_from_args
+from prism_megatron.config.flags import (
+    OneLineParser,
+    add_megatron_args,
+    add_prism_args,
+    config_from_args,
+)
 from prism_megatron.util import atomic_write_text
 
 
@@ -242,9 +247,9 @@ def _finish(summary, inst, summary_path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pretrain_gpt.py", description=__doc__.splitlines()[0])
     add_megatron_args(add_prism_args(parser))
-    args = parser.parse_args(argv)  # unknown flags: argparse prints usage + one line, exit 2
+    args = parser.parse_args(argv)  # unknown flags: one line, exit 2
     try:
         cfg = config_from_args(args)
         if cfg.emulation.virtual_world_size is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from prism_megatron.config import ConfigError, load_config, to_yaml
-from prism_megatron.config.flags import _SECTIONS, field_docs
+from prism_megatron.config.flags import _SECTIONS, OneLineParser, field_docs
 from prism_megatron.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,12 +28,13 @@ DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prism-megatron", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="prism-megatron", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a GPT as one rank of the virtual world"),
                        ("world", "show a virtual rank's coordinates, role and groups"),
                        ("config", "print the resolved config (--keys: every key with its doc)")):
         cmd = sub.add_parser(name, help=text, description=text)
+        cmd.error = parser.error  # subcommand usage errors: one line too
         cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                          help="config overrides, e.g. model=tiny_moe parallel.tp=2")
         cmd.add_argument("--config", default=None, help="YAML config file (default: configs/default.yaml)")

@@ -58,6 +58,13 @@ _SECTIONS = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": 
              "train": TrainConfig}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (what, and where the help is), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 @lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (the one source of help text)."""
