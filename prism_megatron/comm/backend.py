@@ -11,7 +11,9 @@ the same program, so they issue a group's collectives in the same order and this
 p2p between real ranks returns the inner backend's asynchronous `Work`, since paired isend/irecv may
 be posted in either order. Every operation is recorded as a `CommEvent` in `session.log`.
 
-Known limits: `recv` from any source is unsupported; a broadcast or scatter rooted at a ghost under
+An in-place all-gather (the input is this rank's slot of the output, as for the distributed
+optimizer's parameter shards) under `mirror` leaves the ghosts' slots as they were: a ghost owns its
+shard. Known limits: `recv` from any source is unsupported; a broadcast or scatter rooted at a ghost under
 `mirror` keeps the receiver's buffer (DDP's parameter broadcast then keeps the local parameters, as a
 ghost root holding identical parameters would give); under `zeros`/`random` it is filled.
 """
@@ -212,8 +214,16 @@ class PrismGroup(dist.ProcessGroup):
             self.inner._allgather_base(output, input).wait()
             return _done([output])
         slots = list(output.chunk(self.n))
-        if (self.inner is None and self.session.policy.effective(output.dtype) == "mirror"
-                and output.is_contiguous()):
+        mirror = self.session.policy.effective(output.dtype) == "mirror"
+        in_place = input.data_ptr() == slots[self.rank()].data_ptr()
+        if mirror and in_place:
+            # In-place gather of sharded state (distributed optimizer / ZeRO parameters): each ghost
+            # owns its shard and would have updated it as we did ours; we keep its last known value
+            # rather than overwrite it with copies of our shard.
+            if self.inner is not None:
+                self.inner.allgather([[slots[g] for g in self.real]], [input]).wait()
+            return _done([output])
+        if self.inner is None and mirror and output.is_contiguous():
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
             return _done([output])
@@ -342,8 +352,11 @@ class PrismGroup(dist.ProcessGroup):
         if physical is not None:
             return self.session.p2p_backend.send(tensors, physical, tag)
         for t in tensors:  # keep a host copy outside torch's allocator: memory stays a real rank's
-            key = (tuple(t.shape), t.dtype)
-            self._stash.setdefault(key, {})[dstRank] = _host_bytes(t)
+            # The first one only: mirroring our latest output back into our input would form a loop
+            # (activations and gradients fed back through the same layers) that grows without bound.
+            sent = self._stash.setdefault((tuple(t.shape), t.dtype), {})
+            if dstRank not in sent:
+                sent[dstRank] = _host_bytes(t)
         return _done(tensors)
 
     @torch.no_grad()

@@ -6,9 +6,10 @@ Policies (`GhostPolicy.name`):
   the mean of the real contributions, so a SUM over n members is ``(n / r) * sum(real)`` (exactly
   ``n * local`` with one real member) and an AVG or MAX is unchanged. For data movement (gathers,
   all-to-all, broadcast/scatter from a ghost root) ghost j copies real member ``j mod r``. A p2p recv
-  from a ghost returns the last tensor of that shape and dtype this rank sent the *other* way (a
+  from a ghost returns the first tensor of that shape and dtype this rank sent the *other* way (a
   ghost previous stage's activations look like the ones we pass on; a ghost next stage's gradients
-  like the ones we pass back), and seeded N(0, 1) data before there is one.
+  like the ones we pass back; the first, so our outputs never loop back into our inputs), and seeded
+  N(0, 1) data before there is one. An in-place all-gather of sharded state keeps the ghosts' shards.
 - ``zeros``: ghosts contribute zeros.
 - ``random``: ghosts contribute seeded standard-normal values; the draws depend only on the seed,
   the group and the call's sequence number, so every real member sees the same ghost data.
