@@ -11,7 +11,10 @@ command with `--prism-virtual-world-size <physical world>`: every collective the
   ratio          median prism / median plain; goal <= 1.05 (GOAL_RATIO)
   paired         prism / plain of each repetition's pair of runs (min..max)
   calls/iter     collectives and p2p calls per iteration and rank, from prism's comm log
-  us/call        (prism - plain) / calls per iteration: the cost of one call through prism
+  est.           1 + calls/iter x (prism layer us per call) / plain median: the overhead that
+                 prism's own per-call work can explain, an upper bound that noise does not blur.
+                 The prism layer cost is measured apart: `dist.all_reduce` in one process, where a
+                 prism group has no inner backend, so all of its time is prism's own (CPU time)
   losses         whether every rank's losses and grad norms were bitwise identical between all
                  plain and prism runs (they should be: without ghosts prism returns gloo's result)
 
@@ -60,6 +63,9 @@ RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 GOAL_RATIO = 1.05
 RUN_TIMEOUT_S = 600
 SIDES = ("plain", "prism")
+PER_CALL_NPROC = 1  # alone, a prism group has no inner backend: its time is prism's own layer
+PER_CALL_NUMEL = 64
+PER_CALL_BLOCK = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,17 +102,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_once(cfg: BenchConfig, side: str, rep: int, iters: int, workdir: str) -> dict:
-    """One torchrun job; returns its per-rank summaries, or an `error` line if it failed."""
-    stem = os.path.join(workdir, f"{cfg.name}-{side}-{rep}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc),
-           "--master-port", str(free_port()), SCRIPT, "--device", "cpu", "--train-iters", str(iters),
-           "--prism-summary-json", stem + ".rank{rank}.json", *cfg.args]
-    if side == "prism":
-        cmd += ["--prism-virtual-world-size", str(cfg.nproc)]
+def launch(nproc: int, script_args: list[str], log_path: str) -> tuple[int | None, float]:
+    """torchrun `nproc` processes of `script_args` (OMP_NUM_THREADS=1); (exit status, wall s)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), *script_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
-    with open(stem + ".log", "w") as log:
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -115,7 +117,17 @@ def run_once(cfg: BenchConfig, side: str, rep: int, iters: int, workdir: str) ->
             os.killpg(proc.pid, 9)  # the group of the torchrun we started, with its workers
             proc.wait()
             rc = None
-    wall_s = time.perf_counter() - start
+    return rc, time.perf_counter() - start
+
+
+def run_once(cfg: BenchConfig, side: str, rep: int, iters: int, workdir: str) -> dict:
+    """One pretrain_gpt.py job; returns its per-rank summaries, or an `error` line if it failed."""
+    stem = os.path.join(workdir, f"{cfg.name}-{side}-{rep}")
+    script = [SCRIPT, "--device", "cpu", "--train-iters", str(iters),
+              "--prism-summary-json", stem + ".rank{rank}.json", *cfg.args]
+    if side == "prism":
+        script += ["--prism-virtual-world-size", str(cfg.nproc)]
+    rc, wall_s = launch(cfg.nproc, script, stem + ".log")
     if rc != 0:
         return {"side": side, "rep": rep, "wall_s": wall_s, "error": first_error(stem + ".log", rc)}
     ranks = []
@@ -175,7 +187,7 @@ def summarize(cfg: BenchConfig, runs: list[dict], iters: int, warmup: int) -> di
     pairs = zip(*([r["median_ms"] for r in out["runs"] if r["side"] == s] for s in SIDES))
     out["paired_ratios"] = [prism / plain for plain, prism in pairs]
     out["calls_per_iter"] = calls_per_iter(next(r for r in runs if r["side"] == "prism"), iters)
-    out["overhead_per_call_us"] = ((out["prism"]["median_ms"] - out["plain"]["median_ms"]) * 1e3
+    out["e2e_delta_per_call_us"] = ((out["prism"]["median_ms"] - out["plain"]["median_ms"]) * 1e3
                                    / out["calls_per_iter"])
     reference = numerics(runs[0])
     out["losses_identical"] = all(numerics(r) == reference for r in runs)
@@ -198,10 +210,74 @@ def bench(cfg: BenchConfig, iters: int, warmup: int, reps: int, workdir: str) ->
     return summarize(cfg, runs, iters, warmup)
 
 
-def print_table(rows: list[dict], iters: int, warmup: int, reps: int) -> None:
+def per_call_worker(side: str, calls: int, out_path: str) -> None:
+    """Under torchrun: time `dist.all_reduce` of PER_CALL_NUMEL floats, set up as pretrain_gpt does."""
+    import torch
+    import torch.distributed as dist
+
+    import prism_megatron
+    from prism_megatron.config import load_config
+
+    size = int(os.environ["WORLD_SIZE"])
+    virtual = [f"emulation.virtual_world_size={size}"] if side == "prism" else []
+    inst = prism_megatron.install(load_config(["train.device=cpu", *virtual]))
+    try:
+        dist.init_process_group(backend="gloo")
+        t = torch.ones(PER_CALL_NUMEL)
+        for _ in range(PER_CALL_BLOCK):  # warm-up: connections, first allocations
+            dist.all_reduce(t)
+        wall_us, cpu_us = [], []
+        for _ in range(max(1, calls // PER_CALL_BLOCK)):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(PER_CALL_BLOCK):
+                dist.all_reduce(t)
+            cpu_us.append((time.process_time() - start_cpu) / PER_CALL_BLOCK * 1e6)
+            wall_us.append((time.perf_counter() - start) / PER_CALL_BLOCK * 1e6)
+        if dist.get_rank() == 0:
+            atomic_write_text(out_path, json.dumps({"wall_us": wall_us, "cpu_us": cpu_us}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        inst.uninstall()
+
+
+def bench_per_call(calls: int, reps: int, workdir: str) -> dict:
+    """Interleaved one-process jobs of `per_call_worker`: median microseconds per all_reduce.
+
+    Alone, the prism side has no inner backend, so its time is all of prism's own work per call
+    (torch's dist wrapper, `PrismGroup`, the comm log, the completed Work): an upper bound on what
+    prism adds to a gloo call. The plain side (gloo, world of one) is shown for scale. CPU time
+    (process_time) is used: waiting for a core on a busy machine does not inflate it.
+    """
+    blocks = {side: {"wall_us": [], "cpu_us": []} for side in SIDES}
+    for rep in range(reps):
+        for side in SIDES:
+            stem = os.path.join(workdir, f"per-call-{side}-{rep}")
+            rc, wall_s = launch(PER_CALL_NPROC, [os.path.abspath(__file__), "--worker", side,
+                                                 "--calls", str(calls), "--worker-out",
+                                                 stem + ".json"], stem + ".log")
+            if rc != 0:
+                error = first_error(stem + ".log", rc)
+                print(f"  [per-call] rep {rep + 1}/{reps} {side:<5}: error: {error}", flush=True)
+                return {"error": f"{side} run {rep}: {error}"}
+            with open(stem + ".json") as f:
+                mine = json.load(f)
+            for key in ("wall_us", "cpu_us"):
+                blocks[side][key] += mine[key]
+            print(f"  [per-call] rep {rep + 1}/{reps} {side:<5}: median "
+                  f"{statistics.median(mine['cpu_us']):.1f} us CPU per all_reduce "
+                  f"(wall {wall_s:.1f} s)", flush=True)
+    out = {"nproc": PER_CALL_NPROC, "numel": PER_CALL_NUMEL, "calls": calls}
+    for key in ("wall_us", "cpu_us"):
+        out[key] = {side: statistics.median(blocks[side][key]) for side in SIDES}
+    out["blocks"] = blocks
+    return out
+
+
+def print_table(rows: list[dict], per_call: dict | None, iters: int, warmup: int,
+                reps: int) -> None:
     header = (f"{'config':<16}{'plain ms':>10}{'spread':>8}{'prism ms':>10}{'spread':>8}"
-              f"{'prism/plain':>13}{'goal':>6}{'paired':>13}{'calls/it':>10}{'us/call':>9}"
-              f"  losses")
+              f"{'prism/plain':>13}{'goal':>6}{'paired':>14}{'calls/it':>10}{'est.':>7}  losses")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -209,14 +285,25 @@ def print_table(rows: list[dict], iters: int, warmup: int, reps: int) -> None:
             print(f"{r['config']:<16}failed: {r['error']}")
             continue
         paired = f"{min(r['paired_ratios']):.3f}..{max(r['paired_ratios']):.3f}"
+        est = f"{r['estimated_ratio']:.3f}" if "estimated_ratio" in r else "-"
         print(f"{r['config']:<16}{r['plain']['median_ms']:>10.1f}{r['plain']['spread']:>7.1%} "
               f"{r['prism']['median_ms']:>10.1f}{r['prism']['spread']:>7.1%} "
-              f"{r['ratio']:>13.3f}{'ok' if r['goal_met'] else 'MISS':>6}{paired:>13}"
-              f"{r['calls_per_iter']:>10.0f}{r['overhead_per_call_us']:>9.1f}"
+              f"{r['ratio']:>13.3f}{'ok' if r['goal_met'] else 'MISS':>6}{paired:>14}"
+              f"{r['calls_per_iter']:>10.0f}{est:>7}"
               f"  {'bitwise identical' if r['losses_identical'] else 'DIFFER'}")
     print(f"goal: prism/plain <= {GOAL_RATIO}; medians of {iters - warmup} iterations x {reps} runs "
           f"per side (first {warmup} of each run left out); spread = (max - min) / median of the "
-          f"run medians; paired = prism/plain per repetition; us/call = (prism - plain) / calls/it")
+          f"run medians; paired = prism/plain per repetition; est. = 1 + calls/it x prism "
+          f"layer us / plain ms, an upper bound")
+    if per_call is None:
+        return
+    if "error" in per_call:
+        print(f"per-call: failed: {per_call['error']}")
+        return
+    c = per_call["cpu_us"]
+    print(f"per-call: dist.all_reduce of {per_call['numel']} floats in one process, median of "
+          f"{PER_CALL_BLOCK}-call blocks, CPU: prism layer alone {c['prism']:.1f} us (no inner "
+          f"backend); gloo world of one {c['plain']:.1f} us, for scale")
 
 
 def default_json_path() -> str:
@@ -232,6 +319,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3, help="runs per side, interleaved")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    parser.add_argument("--per-call-calls", type=int, default=2000,
+                        help="all_reduce calls per one-process per-call job (0: skip the estimate)")
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="results file (default: benchmarks/results/"
                              "prism_overhead-<hostname>-<date>.json)")
@@ -250,23 +342,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.worker:
+        per_call_worker(args.worker, args.calls, args.worker_out)
+        return 0
     start = time.perf_counter()
-    rows = []
+    rows, per_call = [], None
     with tempfile.TemporaryDirectory(prefix="prism_overhead.") as workdir:
+        if args.per_call_calls > 0:
+            per_call = bench_per_call(args.per_call_calls, args.reps, workdir)
         for name in args.configs:
             rows.append(bench(CONFIGS[name], args.iters, args.warmup, args.reps, workdir))
+    for r in rows:
+        if per_call is not None and "error" not in per_call and "error" not in r:
+            r["estimated_ratio"] = 1 + (r["calls_per_iter"] * per_call["cpu_us"]["prism"]
+                                        / (r["plain"]["median_ms"] * 1e3))
     total_s = time.perf_counter() - start
     print()
-    print_table(rows, args.iters, args.warmup, args.reps)
+    print_table(rows, per_call, args.iters, args.warmup, args.reps)
     print(f"total {total_s:.0f} s")
     path = args.json or default_json_path()
     payload = {"benchmark": "prism_overhead", "host": socket.gethostname(),
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "goal_ratio": GOAL_RATIO, "iters": args.iters, "warmup": args.warmup,
-               "reps": args.reps, "cpu_count": os.cpu_count(), "total_s": total_s, "rows": rows}
+               "reps": args.reps, "cpu_count": os.cpu_count(), "total_s": total_s, "rows": rows,
+               "per_call": per_call}
     atomic_write_text(path, json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}")
-    ok = all("error" not in r and r["losses_identical"] for r in rows)
+    ok = all("error" not in r and r["losses_identical"] for r in rows) and (
+        per_call is None or "error" not in per_call)
     return 0 if ok else 1
 
 

@@ -123,11 +123,14 @@ def forward_step(data_iterator, model):
 
 
 def loss_func(loss_mask, output_tensor):
+    """Megatron-LM's form: (sum of token losses, token count, report); the schedule divides by the
+    count, which keeps gradients right under context parallelism."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
-    # clone: the schedule divides `loss` in place by the number of microbatches.
-    return loss, {"lm loss": loss.detach().clone()}
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss_sum.detach().view(1), mask.sum().view(1)])
+    return loss_sum, num_tokens, {"lm loss": report}
 
 
 def train(cfg, inst, summary_path):
@@ -210,8 +213,9 @@ def _free_port() -> int:
 def _pipeline_loss(losses, pp_group, last_stage, inst, device):
     """Mean lm loss of the iteration, from the last pipeline stage (None if that stage is a ghost)."""
     value = torch.zeros(1, device=device)
-    if losses:
-        value[0] = torch.stack([x["lm loss"].float() for x in losses]).mean()
+    if losses:  # per microbatch [sum of token losses, tokens]
+        totals = torch.stack([x["lm loss"].float() for x in losses]).sum(dim=0)
+        value[0] = totals[0] / totals[1]
     if dist.get_world_size(pp_group) > 1:
         if inst.session is not None and inst.session.physical.physical_of(last_stage) is None:
             return None

@@ -399,6 +399,41 @@ def _(ctx):
     return out
 
 
+def _check_in_place(slots: list[torch.Tensor], view: GroupView, policy: str, what: str) -> None:
+    """In-place gather of shards: real slots hold the new shards; under mirror each ghost keeps its own."""
+    if policy != "mirror":
+        return check_slots(slots, view, policy, lambda v: data(v, 92), what)
+    for g, slot in enumerate(slots):
+        want = data(view.members[g], 92 if g in view.real else 91)
+        assert torch.equal(slot, want), \
+            f"{what}: slot {g} ({'real: its new shard' if g in view.real else 'ghost: keeps its old shard'})"
+
+
+@case("all_gather_into_tensor_in_place", lambda view: [ev("all_gather", view.n * K * 4)], same_on_all=True,
+      check=lambda view, policy, got: _check_in_place(list(got.chunk(view.n)), view, policy,
+                                                      "in-place all_gather_into_tensor"))
+def _(ctx):
+    """The distributed optimizer's parameter all-gather: the input is this rank's shard of the output."""
+    out = torch.cat([data(v, 91) for v in ctx.view.members])  # every member's last known shard
+    shard = out.chunk(ctx.view.n)[ctx.view.rank]
+    shard.copy_(data(ctx.view.me, 92))
+    dist.all_gather_into_tensor(out, shard, group=ctx.group)
+    return out
+
+
+@case("all_gather_list_in_place", lambda view: [ev("all_gather", view.n * K * 4)], same_on_all=True,
+      check=lambda view, policy, got: _check_in_place(got, view, policy, "in-place all_gather (list)"),
+      known_bug=lambda view, policy: "only the tensor form (_allgather_base) keeps the ghosts' shards of an in-place "
+      "all-gather; the list form (allgather) overwrites them with mirror copies"
+      if policy == "mirror" and view.ghosts else None)
+def _(ctx):
+    """The same with the list form (deepspeed ZeRO's fallback, older megatron)."""
+    outs = [data(v, 91) for v in ctx.view.members]
+    outs[ctx.view.rank].copy_(data(ctx.view.me, 92))
+    dist.all_gather(outs, outs[ctx.view.rank], group=ctx.group)
+    return outs
+
+
 @case("all_gather_coalesced", lambda view: [ev("all_gather", view.n * K * 4), ev("all_gather", view.n * K * 2)],
       same_on_all=True,
       check=lambda view, policy, got: [check_slots(outs, view, policy, lambda v, i=i: data(v, 22 + i)[:K // (i + 1)],
@@ -587,7 +622,7 @@ def _(ctx):
     dist.isend(data(me, 71), group_dst=a, group=group).wait()
     dist.irecv(got[3], group_src=b, group=group).wait()                 # mirror: what we sent to A
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, data(me, 72), group=group, group_peer=b),
-                                    dist.P2POp(dist.irecv, got[4], group=group, group_peer=a)])
+                                    dist.P2POp(dist.irecv, got[4], group=group, group_peer=a)])  # mirror: 70
     for work in works:
         work.wait()
     return [{"value": t.detach(), "requires_grad": t.requires_grad, "is_leaf": t.is_leaf} for t in got]
@@ -596,7 +631,8 @@ def _(ctx):
 def _check_p2p_ghosts(view: GroupView, policy: str, got: list[dict]) -> None:
     for i, item in enumerate(got):
         assert item["requires_grad"] and item["is_leaf"], f"recv {i} changed the buffer's autograd state"
-    sent = {1: data(view.me, 70), 3: data(view.me, 71), 4: data(view.me, 72)}  # what mirror must return
+    # Mirror returns the *first* tensor sent the other way: 72 went to B after 70 did.
+    sent = {1: data(view.me, 70), 3: data(view.me, 71), 4: data(view.me, 70)}
     for i, item in enumerate(got):
         value = item["value"]
         if policy == "mirror" and i in sent:
@@ -609,19 +645,20 @@ def _check_p2p_ghosts(view: GroupView, policy: str, got: list[dict]) -> None:
         assert not torch.equal(got[0]["value"], got[2]["value"]), "two recvs from ghosts drew the same data"
 
 
-@case("p2p_ghost_last_sent", lambda view: [ev("send", K * 4, peer=view.members[view.ghosts[i]]) for i in (0, 1, 0)]
+@case("p2p_ghost_three_peers", lambda view: [ev("send", K * 4, peer=view.members[view.ghosts[i]]) for i in (0, 1, 0)]
       + [ev("recv", K * 4, peer=view.members[view.ghosts[2]])],
       applies=lambda view: len(view.ghosts) >= 3,
-      check=lambda view, policy, got: check_filled(got, policy, data(view.me, 75).view(-1, 2),
+      check=lambda view, policy, got: check_filled(got, policy, data(view.me, 73).view(-1, 2),
                                                    "recv from a third ghost peer"),
-      known_bug=lambda view, policy: "ghost recv under mirror returns the tensor sent to the most recently *first* "
-      "contacted other peer (dict insertion order), not the last tensor sent" if policy == "mirror" else None)
+      known_bug=lambda view, policy: "with several other peers, ghost recv under mirror returns the first tensor sent "
+      "to the peer *first contacted last* (other[-1] in insertion order), not the first tensor sent the other way"
+      if policy == "mirror" else None)
 def _(ctx):
     a, b, c = ctx.view.ghosts[:3]
     for peer, salt in ((a, 73), (b, 74), (a, 75)):  # a shape of its own: no other case's sends count
         dist.send(data(ctx.view.me, salt).view(-1, 2), group_dst=peer, group=ctx.group)
     got = torch.empty(K // 2, 2)
-    dist.recv(got, group_src=c, group=ctx.group)  # documented: the last tensor sent the other way, 75
+    dist.recv(got, group_src=c, group=ctx.group)  # documented: the first tensor sent the other way, 73
     return got
 
 

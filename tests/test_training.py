@@ -127,3 +127,22 @@ def test_ghost_data_stays_finite_and_bounded_over_iterations(tmp_path):
     norms = json.loads(out.read_text())["grad_norms"]
     assert len(norms) == 6 and all(math.isfinite(g) and g > 0 for g in norms)
     assert max(norms) < 3 * min(norms), norms
+
+
+def test_context_parallel_on_cpu_matches_the_unsplit_sequence(tmp_path):
+    """CP2 (2 gloo processes) sees the same tokens as CP1: the mean of its ranks' losses and its
+    gradient norm equal the CP1 run's (fp32 rounding aside)."""
+    common = ["--device", "cpu", "--global-batch-size", "2", "--micro-batch-size", "2",
+              "--train-iters", "2"]
+    one = _run([sys.executable, EXAMPLE, *common, "--prism-summary-json", str(tmp_path / "cp1.json")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(_free_port()), EXAMPLE, *common, "--context-parallel-size", "2",
+                "--prism-summary-json", str(tmp_path / "cp2.json")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    ref = json.loads((tmp_path / "cp1.json").read_text())
+    ranks = [json.loads((tmp_path / f"cp2.rank{r}.json").read_text()) for r in range(2)]
+    for it in range(2):
+        mean = (ranks[0]["losses"][it] + ranks[1]["losses"][it]) / 2
+        assert mean == pytest.approx(ref["losses"][it], rel=1e-6)
+        assert ranks[0]["grad_norms"][it] == pytest.approx(ref["grad_norms"][it], rel=1e-5)

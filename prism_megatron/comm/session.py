@@ -43,6 +43,7 @@ class PhysicalWorld:
         if len(self.sandbox_ranks) > 1 and self.store is None:
             raise ValueError("several physical processes need a store to rendezvous")
         self._physical_of = {v: p for p, v in enumerate(self.sandbox_ranks)}
+        self.sandbox_set = frozenset(self.sandbox_ranks)
 
     @property
     def size(self) -> int:

@@ -97,7 +97,7 @@ def install(cfg: PrismConfig) -> Installation:
 
     inst.patch(dist, "init_process_group",
                make_init_process_group(dist.init_process_group, cfg.emulation, on_session))
-    inst.patch(dist, "new_group", make_new_group(dist.new_group))
+    inst.patch(dist, "new_group", make_new_group(dist.new_group, session_of))
     inst.patch(dist, "broadcast_object_list",
                make_broadcast_object_list(dist.broadcast_object_list, session_of))
     try:

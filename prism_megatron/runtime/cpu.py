@@ -15,6 +15,8 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
 - megatron's torch-norm fallback refuses sequence parallelism; the local specs get a torch norm that
   marks its weights `sequence_parallel` so their gradients are summed over tensor-parallel ranks
   (runtime/norm.py);
+- megatron's local attention refuses context parallelism; the local spec gets a subclass that
+  all-gathers K/V over the CP group, as TE's `cp_comm_type="all_gather"` does (runtime/cp_attention.py);
 - megatron-core 0.16.1 without Transformer Engine names `te_general_gemm` in moe_utils; it is defined
   as None so the router falls back to torch; the all-to-all dispatcher's split sizes reach torch as
   numpy arrays, as they do after the device-to-host copy on GPU.
@@ -230,6 +232,10 @@ class CpuRuntime:
         from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.transformer import transformer_block
 
+        from prism_megatron.runtime.cp_attention import ContextParallelDotProductAttention
+
+        # LocalSpecProvider.core_attention() returns the name from megatron.core.models.backends.
+        self._patch(backends, "DotProductAttention", ContextParallelDotProductAttention)
         # Only where megatron fell back to torch norms (no apex/TE): those refuse sequence parallel.
         for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"),
                             (transformer_block, "LayerNormImpl")):
