@@ -184,7 +184,7 @@ def train(cfg, inst, summary_path):
         losses = forward_backward(
             forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
-            seq_length=cfg.model.seq_length // p.cp, micro_batch_size=t.micro_batch_size,
+            seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         if inst.tracker is not None:

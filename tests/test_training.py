@@ -113,15 +113,21 @@ def test_cli_bad_override_is_one_line_and_exit_2():
     assert proc.stderr.strip().count("\n") == 0 and "tpp" in proc.stderr
 
 
-def test_ghost_data_stays_finite_and_bounded_over_iterations(tmp_path):
-    """Interleaved 1F1B + distributed optimizer + overlap_grad_reduce, middle stage, many iterations:
-    mirrored p2p data must not feed back into itself and grow."""
+@pytest.mark.parametrize("args", [
+    # interleaved 1F1B + distributed optimizer + overlap_grad_reduce, a middle stage of N=64
+    ["--prism-virtual-world-size", "64", "--prism-sandbox-ranks", "21", "--tensor-model-parallel-size",
+     "2", "--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+     "--num-layers", "8", "--use-distributed-optimizer", "--overlap-grad-reduce",
+     "--global-batch-size", "32", "--micro-batch-size", "1"],
+    # context parallel + tensor parallel with sequence parallel + pipeline, N=16
+    ["--prism-virtual-world-size", "16", "--prism-sandbox-ranks", "3", "--context-parallel-size", "2",
+     "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+     "--global-batch-size", "8"],
+], ids=["interleaved-distopt-overlap", "cp-tp-sp-pp"])
+def test_ghost_data_stays_finite_and_bounded_over_iterations(tmp_path, args):
+    """Mirrored p2p data must not feed back into itself and grow over iterations."""
     out = tmp_path / "summary.json"
-    proc = _run([sys.executable, EXAMPLE, "--device", "cpu", "--prism-virtual-world-size", "64",
-                 "--prism-sandbox-ranks", "21", "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
-                 "--num-layers", "8", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                 "--global-batch-size", "32", "--micro-batch-size", "1", "--train-iters", "6",
+    proc = _run([sys.executable, EXAMPLE, "--device", "cpu", *args, "--train-iters", "6",
                  "--prism-summary-json", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     norms = json.loads(out.read_text())["grad_norms"]
