@@ -422,10 +422,7 @@ def _(ctx):
 
 
 @case("all_gather_list_in_place", lambda view: [ev("all_gather", view.n * K * 4)], same_on_all=True,
-      check=lambda view, policy, got: _check_in_place(got, view, policy, "in-place all_gather (list)"),
-      known_bug=lambda view, policy: "only the tensor form (_allgather_base) keeps the ghosts' shards of an in-place "
-      "all-gather; the list form (allgather) overwrites them with mirror copies"
-      if policy == "mirror" and view.ghosts else None)
+      check=lambda view, policy, got: _check_in_place(got, view, policy, "in-place all_gather (list)"))
 def _(ctx):
     """The same with the list form (deepspeed ZeRO's fallback, older megatron)."""
     outs = [data(v, 91) for v in ctx.view.members]
@@ -477,12 +474,7 @@ def _(ctx):
     return t
 
 
-_ROOTED_BYTES_BUG = ("a non-root member records only its own input (gather) / output (scatter) bytes, not the "
-                     "full output / input events.py documents (backend.py gather/scatter _begin)")
-
-
 @case("gather_real_root", lambda view: [ev("gather", view.n * K * 4)],
-      known_event_bug=lambda view: _ROOTED_BYTES_BUG if view.rank != view.real[-1] else None,
       check=lambda view, policy, got: got is None or check_slots(got, view, policy, lambda v: data(v, 40), "gather"))
 def _(ctx):
     root = ctx.view.real[-1]
@@ -492,7 +484,6 @@ def _(ctx):
 
 
 @case("gather_ghost_root", lambda view: [ev("gather", view.n * K * 4)], applies=_has_ghosts,
-      known_event_bug=lambda view: _ROOTED_BYTES_BUG,
       check=lambda view, policy, got: assert_close(got, data(view.me, 41), "gather to a ghost kept the input"))
 def _(ctx):
     t = data(ctx.view.me, 41)
@@ -501,7 +492,6 @@ def _(ctx):
 
 
 @case("scatter_real_root", lambda view: [ev("scatter", view.n * K * 4)],
-      known_event_bug=lambda view: _ROOTED_BYTES_BUG if view.rank != view.real[0] else None,
       check=lambda view, policy, got: assert_close(got, data(view.members[view.real[0]], 50 + view.rank), "scatter"))
 def _(ctx):
     root = ctx.view.real[0]
@@ -512,7 +502,6 @@ def _(ctx):
 
 
 @case("scatter_ghost_root", lambda view: [ev("scatter", view.n * K * 4)], applies=_has_ghosts,
-      known_event_bug=lambda view: _ROOTED_BYTES_BUG,
       check=lambda view, policy, got: check_filled(  # mirror keeps the receiver's buffer (backend.py)
           got, policy, data(view.me, 51), "scatter from a ghost"))
 def _(ctx):
@@ -649,10 +638,7 @@ def _check_p2p_ghosts(view: GroupView, policy: str, got: list[dict]) -> None:
       + [ev("recv", K * 4, peer=view.members[view.ghosts[2]])],
       applies=lambda view: len(view.ghosts) >= 3,
       check=lambda view, policy, got: check_filled(got, policy, data(view.me, 73).view(-1, 2),
-                                                   "recv from a third ghost peer"),
-      known_bug=lambda view, policy: "with several other peers, ghost recv under mirror returns the first tensor sent "
-      "to the peer *first contacted last* (other[-1] in insertion order), not the first tensor sent the other way"
-      if policy == "mirror" else None)
+                                                   "recv from a third ghost peer"))
 def _(ctx):
     a, b, c = ctx.view.ghosts[:3]
     for peer, salt in ((a, 73), (b, 74), (a, 75)):  # a shape of its own: no other case's sends count
@@ -662,13 +648,10 @@ def _(ctx):
     return got
 
 
-_INT_BUG = ("recv of an integer tensor from a ghost with nothing of that shape sent yet calls normal_ on it: "
-            "NotImplementedError 'normal_kernel_cpu' not implemented for 'Long' (backend.py recv)")
-
-
 @case("p2p_ghost_recv_int64_first", lambda view: [ev("recv", 3 * 8, "int64", peer=view.members[view.ghosts[0]])],
-      applies=_two_ghosts, known_bug=lambda view, policy: _INT_BUG,
-      check=lambda view, policy, got: None)  # nothing to mirror yet: any integers, but no exception
+      applies=_two_ghosts,
+      check=lambda view, policy, got: assert_close(got, torch.zeros(3, dtype=torch.int64),
+                                                   "int recv with nothing to mirror is zeros"))
 def _(ctx):
     """megatron's variable_seq_lengths exchange: a stage first receives the int64 shape of its input."""
     shape = torch.zeros(3, dtype=torch.int64)

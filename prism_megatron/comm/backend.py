@@ -13,9 +13,10 @@ be posted in either order. Every operation is recorded as a `CommEvent` in `sess
 
 An in-place all-gather (the input is this rank's slot of the output, as for the distributed
 optimizer's parameter shards) under `mirror` leaves the ghosts' slots as they were: a ghost owns its
-shard. Known limits: `recv` from any source is unsupported; a broadcast or scatter rooted at a ghost under
-`mirror` keeps the receiver's buffer (DDP's parameter broadcast then keeps the local parameters, as a
-ghost root holding identical parameters would give); under `zeros`/`random` it is filled.
+shard. A broadcast rooted at ghost j under `mirror` delivers real member (j mod r)'s buffer, which with one
+real member is the local buffer (DDP's parameter broadcast then keeps the local parameters, as a ghost
+root holding identical parameters would give); a scatter from a ghost root keeps the receiver's
+buffer; under `zeros`/`random` both are filled. Known limits: `recv` from any source is unsupported.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ class PrismGroup(dist.ProcessGroup):
     @property
     def n(self) -> int:
         return len(self.members)
+
+    # torch keeps a group's name on its backend, and a Python group registers none: keep it here.
+    def _set_group_name(self, name: str) -> None:
+        self._prism_group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_prism_group_name", self.group_id)
 
     def name(self) -> str:  # noqa: D401 - torch API
         return BACKEND_NAME
@@ -200,11 +209,13 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("all_gather", [t for ts in output_tensors for t in ts])
         for outs, inp in zip(output_tensors, input_tensors):
             outs = list(outs)
+            in_place = outs[self.rank()].data_ptr() == inp.data_ptr()
             if self.inner is not None:
                 self.inner.allgather([[outs[g] for g in self.real]], [inp]).wait()
-            elif outs[self.rank()].data_ptr() != inp.data_ptr():
+            elif not in_place:
                 outs[self.rank()].copy_(inp)
-            self._fill_ghosts(outs, seq)
+            if not (in_place and self.session.policy.effective(inp.dtype) == "mirror"):
+                self._fill_ghosts(outs, seq)  # in place under mirror: ghosts keep their shards
         return _done(output_tensors)
 
     @torch.no_grad()
@@ -247,7 +258,8 @@ class PrismGroup(dist.ProcessGroup):
     @torch.no_grad()
     def gather(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
-        seq = self._begin("gather", [t for ts in output_tensors for t in ts] or input_tensors)
+        # Bytes are the full gathered output on every member (nccl-tests' size), root or not.
+        seq = self._begin("gather", list(input_tensors) * self.n)
         if root in self.ghosts:
             return _done(output_tensors)  # the data goes to a ghost: nothing to do
         outs = list(output_tensors[0]) if self.rank() == root else []
@@ -275,7 +287,7 @@ class PrismGroup(dist.ProcessGroup):
                 inner_opts.rootTensor = opts.rootTensor
                 self.inner.broadcast(tensors, inner_opts).wait()
             return _done(tensors)
-        source = self.mirror_source[root]
+        source = self.mirror_source[root]  # ghost root j mirrors real member j mod r
         for i, t in enumerate(tensors):
             if self.session.policy.effective(t.dtype) == "mirror":
                 if self.inner is not None:  # all real members agree on the mirrored root's data
@@ -289,7 +301,7 @@ class PrismGroup(dist.ProcessGroup):
     @torch.no_grad()
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
-        seq = self._begin("scatter", [t for ts in input_tensors for t in ts] or output_tensors)
+        seq = self._begin("scatter", list(output_tensors) * self.n)  # the full input, on every member
         out = output_tensors[0]
         if root in self.real:
             if self.inner is not None:
@@ -371,10 +383,12 @@ class PrismGroup(dist.ProcessGroup):
                 sent = self._stash.get((tuple(t.shape), t.dtype), {})
                 # Prefer what we sent the *other* way: a ghost previous stage's activations look
                 # like the ones we send on; a ghost next stage's gradients like the ones we send back.
-                other = [p for p in sent if p != srcRank]
-                raw = sent[other[-1]] if other else None
-                if raw is None:  # nothing of ours looks like it yet: well-formed N(0, 1) data
+                other = [p for p in sent if p != srcRank]  # peers in the order first sent to
+                raw = sent[other[0]] if other else None
+                if raw is None and t.dtype.is_floating_point:  # nothing like it yet: N(0, 1) data
                     t.normal_(generator=self._gen(t.device, seq, i)())
+                elif raw is None:
+                    t.zero_()
                 else:
                     t.copy_(torch.from_numpy(raw).view(t.dtype).view(t.shape))
             else:

@@ -8,6 +8,8 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
   ('torch.cuda.FloatTensor'), by which megatron's optimizers sort parameters;
 - `torch.cuda.current_device/set_device/synchronize/empty_cache/nvtx`, streams and events (a CPU
   event measures host time with perf_counter, which on CPU is the device's own clock);
+- `torch.distributed.all_gather` into shards of unequal length (megatron's MoE dispatcher over TP,
+  NCCL's all-gather-v) pads, gathers and trims, since gloo needs equal sizes;
 - the CUDA RNG used by megatron's RNG tracker maps to the CPU generator, which is what dropout on CPU
   tensors draws from, so `get_cuda_rng_tracker().fork()` keeps its meaning;
 - `torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats` read the exact
@@ -183,6 +185,7 @@ class CpuRuntime:
         self._patch(cuda.random, "set_rng_state", table["set_rng_state"])
         self._patch(cuda.nvtx, "range_push", lambda msg: None)
         self._patch(cuda.nvtx, "range_pop", lambda: None)
+        self._patch(torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather))
         self._patch_megatron()
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
@@ -241,6 +244,39 @@ class CpuRuntime:
                             (transformer_block, "LayerNormImpl")):
             if getattr(getattr(owner, name, None), "__name__", "") == "WrappedTorchNorm":
                 self._patch(owner, name, SequenceParallelTorchNorm)
+
+
+def _uneven_all_gather(original: Callable) -> Callable:
+    """all_gather into tensors of different lengths (NCCL's all-gather-v), which gloo refuses.
+
+    megatron's MoE dispatcher gathers token shards of unequal length over tensor-parallel ranks.
+    Here each shard is padded to the longest along dim 0, gathered, and trimmed into place.
+    """
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in tensor_list}
+        if len(shapes) <= 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded_input = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded_input[: tensor.shape[0]].copy_(tensor)
+        gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        original(gathered, padded_input, group=group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[: out.shape[0]])
+        return _CompletedWork() if async_op else None
+
+    return all_gather
+
+
+class _CompletedWork:
+    """What an async all_gather returns when it already finished (the padded path is synchronous)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
