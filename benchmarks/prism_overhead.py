@@ -161,6 +161,18 @@ def calls_per_iter(run: dict, iters: int) -> float:
     return statistics.mean(totals) / iters
 
 
+def peak_memory(runs: list[dict]) -> dict:
+    """Per rank, the tracked peaks of every run of each side: the run-to-run spread of plain gloo
+    (its worker threads release buffers at racy times) next to the prism-vs-plain difference."""
+    peaks = {side: [[r["peak_tracked_bytes"] for r in run["ranks"]] for run in runs if run["side"] == side]
+             for side in SIDES}
+    per_rank = list(zip(*peaks["plain"])), list(zip(*peaks["prism"]))
+    plain_spread = max(max(p) - min(p) for p in per_rank[0])
+    prism_vs_plain = max(abs(statistics.median(b) - statistics.median(a)) for a, b in zip(*per_rank))
+    return {"peaks_bytes": peaks, "plain_spread_bytes": plain_spread,
+            "prism_vs_plain_median_bytes": prism_vs_plain}
+
+
 def summarize(cfg: BenchConfig, runs: list[dict], iters: int, warmup: int) -> dict:
     out: dict = {"config": cfg.name, "args": list(cfg.args), "nproc": cfg.nproc, "runs": []}
     failed = [r for r in runs if "error" in r]
@@ -191,6 +203,7 @@ def summarize(cfg: BenchConfig, runs: list[dict], iters: int, warmup: int) -> di
                                    / out["calls_per_iter"])
     reference = numerics(runs[0])
     out["losses_identical"] = all(numerics(r) == reference for r in runs)
+    out["memory"] = peak_memory(runs)
     out["goal_met"] = out["ratio"] <= GOAL_RATIO
     return out
 
@@ -291,6 +304,11 @@ def print_table(rows: list[dict], per_call: dict | None, iters: int, warmup: int
               f"{r['ratio']:>13.3f}{'ok' if r['goal_met'] else 'MISS':>6}{paired:>14}"
               f"{r['calls_per_iter']:>10.0f}{est:>7}"
               f"  {'bitwise identical' if r['losses_identical'] else 'DIFFER'}")
+    for r in rows:
+        if "memory" in r:
+            m = r["memory"]
+            print(f"{r['config']:<16}tracked peak: plain run-to-run spread {m['plain_spread_bytes']} B, "
+                  f"prism vs plain (medians, worst rank) {m['prism_vs_plain_median_bytes']:.0f} B")
     print(f"goal: prism/plain <= {GOAL_RATIO}; medians of {iters - warmup} iterations x {reps} runs "
           f"per side (first {warmup} of each run left out); spread = (max - min) / median of the "
           f"run medians; paired = prism/plain per repetition; est. = 1 + calls/it x prism "

@@ -20,7 +20,6 @@ null, and the gradient norm (computed by every rank) is the figure to watch ther
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os

@@ -228,7 +228,9 @@ class PrismConfig:
                               "(or model=tiny_moe)")
         if world_size is None:
             return
-        from prism_megatron.world import VirtualWorld  # validates every divisibility of the world
+        from prism_megatron.world import (
+            VirtualWorld,  # validates every divisibility of the world
+        )
 
         try:
             world = VirtualWorld(world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,

@@ -7,9 +7,10 @@ It wraps, and `Installation.uninstall()` restores:
 - megatron-core `initialize_model_parallel` (hooks/megatron.py), which builds the VirtualWorld;
 - megatron-core's pipeline `forward_step`/`backward_step`, only to tell the memory tracker which phase
   allocates (activations vs temporaries);
+- megatron-core's local specs without Transformer Engine (runtime/local_specs.py), on any device;
 - on CPU, the CPU runtime (runtime/cpu.py).
 
-Without a virtual world size, only the CPU runtime (on CPU) and the phase markers are installed: the
+Without a virtual world size, only the runtime pieces and the phase markers are installed: the
 script runs as launched, which is the plain baseline the emulation is compared with.
 """
 
@@ -32,7 +33,9 @@ from prism_megatron.hooks.torch_dist import (
     make_new_group,
 )
 from prism_megatron.runtime.cpu import CpuRuntime
+from prism_megatron.runtime.local_specs import activate_local_specs
 from prism_megatron.runtime.memory import StorageTracker
+from prism_megatron.runtime.patching import PatchSet
 
 
 def resolve_device(cfg: PrismConfig) -> str:
@@ -50,7 +53,7 @@ class Installation:
     device: str
     session: Optional[VirtualSession] = None
     runtime: Optional[CpuRuntime] = None
-    _patches: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    _patches: PatchSet = field(default_factory=PatchSet, repr=False)
 
     @property
     def virtual(self) -> bool:
@@ -67,13 +70,10 @@ class Installation:
         return int(torch.cuda.max_memory_allocated())
 
     def patch(self, owner: Any, name: str, value: Any) -> None:
-        self._patches.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
+        self._patches.patch(owner, name, value)
 
     def uninstall(self) -> None:
-        for owner, name, original in reversed(self._patches):
-            setattr(owner, name, original)
-        self._patches.clear()
+        self._patches.restore()
         if self.runtime is not None:
             self.runtime.deactivate()
 
@@ -84,6 +84,7 @@ def install(cfg: PrismConfig) -> Installation:
     inst = Installation(cfg=cfg, device=device)
     if device == "cpu":
         inst.runtime = CpuRuntime().activate()
+    activate_local_specs(inst._patches)
     _install_phase_markers(inst)
     if not inst.virtual:
         return inst

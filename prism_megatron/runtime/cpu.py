@@ -14,17 +14,14 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
   tensors draws from, so `get_cuda_rng_tracker().fork()` keeps its meaning;
 - `torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats` read the exact
   storage tracker (`runtime.memory.StorageTracker`); reserved equals allocated on CPU;
-- megatron's torch-norm fallback refuses sequence parallelism; the local specs get a torch norm that
-  marks its weights `sequence_parallel` so their gradients are summed over tensor-parallel ranks
-  (runtime/norm.py);
-- megatron's local attention refuses context parallelism; the local spec gets a subclass that
-  all-gathers K/V over the CP group, as TE's `cp_comm_type="all_gather"` does (runtime/cp_attention.py);
-- megatron-core 0.16.1 without Transformer Engine names `te_general_gemm` in moe_utils; it is defined
-  as None so the router falls back to torch; the all-to-all dispatcher's split sizes reach torch as
-  numpy arrays, as they do after the device-to-host copy on GPU.
+- the MoE all-to-all dispatcher's split sizes reach torch as numpy arrays, as they do after the
+  device-to-host copy on GPU.
 
 Active only when no GPU is used: `activate()` refuses to run if CUDA is available, since redirecting
 CUDA calls on a GPU machine would silently move the job to the CPU.
+
+The gaps of megatron-core without Transformer Engine (sequence-parallel norm, context-parallel
+attention, `te_general_gemm`) are closed on every device by runtime/local_specs.py.
 
 Known limits: CUDA graphs, Transformer Engine, apex fused kernels, FP8 and `torch.cuda.MemPool` are not
 emulated (use megatron's local specs); streams are serial (no compute/communication overlap on CPU);
@@ -43,7 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from prism_megatron.runtime.memory import StorageTracker
-from prism_megatron.runtime.norm import SequenceParallelTorchNorm
+from prism_megatron.runtime.patching import PatchSet
 
 _CPU = torch.device("cpu")
 
@@ -140,7 +137,7 @@ class CpuRuntime:
     """Activates the CPU stand-ins for megatron-core's CUDA assumptions (see module docstring)."""
 
     tracker: StorageTracker = field(default_factory=StorageTracker)
-    _patches: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _mode: Optional[_CudaToCpuMode] = field(default=None, repr=False)
 
     @property
@@ -198,9 +195,7 @@ class CpuRuntime:
         self.tracker.stop()
         self._mode.__exit__(None, None, None)
         self._mode = None
-        for owner, name, original in reversed(self._patches):
-            setattr(owner, name, original)
-        self._patches.clear()
+        self._patches.restore()
 
     def __enter__(self) -> "CpuRuntime":
         return self.activate()
@@ -209,8 +204,7 @@ class CpuRuntime:
         self.deactivate()
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self._patches.append((owner, name, getattr(owner, name, None)))
-        setattr(owner, name, value)
+        self._patches.patch(owner, name, value)
 
     def _patch_megatron(self) -> None:
         try:
@@ -222,8 +216,6 @@ class CpuRuntime:
                     lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
         self._patch(mrandom, "_set_cuda_rng_state",
                     lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
-        if not hasattr(moe_utils, "te_general_gemm"):
-            self._patch(moe_utils, "te_general_gemm", None)
         from megatron.core.transformer.moe import token_dispatcher
 
         # On GPU the all-to-all split sizes become numpy arrays on their way to the host, which is
@@ -231,19 +223,6 @@ class CpuRuntime:
         for owner in (moe_utils, token_dispatcher):
             if hasattr(owner, "maybe_move_tensor_to_cpu"):
                 self._patch(owner, "maybe_move_tensor_to_cpu", _splits_to_host)
-        from megatron.core.models import backends
-        from megatron.core.models.gpt import gpt_layer_specs
-        from megatron.core.transformer import transformer_block
-
-        from prism_megatron.runtime.cp_attention import ContextParallelDotProductAttention
-
-        # LocalSpecProvider.core_attention() returns the name from megatron.core.models.backends.
-        self._patch(backends, "DotProductAttention", ContextParallelDotProductAttention)
-        # Only where megatron fell back to torch norms (no apex/TE): those refuse sequence parallel.
-        for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"),
-                            (transformer_block, "LayerNormImpl")):
-            if getattr(getattr(owner, name, None), "__name__", "") == "WrappedTorchNorm":
-                self._patch(owner, name, SequenceParallelTorchNorm)
 
 
 def _uneven_all_gather(original: Callable) -> Callable:

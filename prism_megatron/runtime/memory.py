@@ -46,19 +46,11 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-
-try:
-    from enum import StrEnum
-except ImportError:  # Python 3.10 (setup.cfg allows it); same behaviour for our use.
-    from enum import Enum
-
-    class StrEnum(str, Enum):  # type: ignore[no-redef]
-        def __str__(self) -> str:
-            return str(self.value)
 
 __all__ = ["MemCategory", "StorageTracker"]
 

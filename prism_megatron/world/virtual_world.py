@@ -29,20 +29,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from numbers import Integral
 from typing import Any, Iterable
 
 import numpy as np
-
-try:
-    from enum import StrEnum
-except ImportError:  # Python 3.10 (setup.cfg allows it); same behaviour for our use.
-    from enum import Enum
-
-    class StrEnum(str, Enum):  # type: ignore[no-redef]
-        def __str__(self) -> str:
-            return str(self.value)
-
 
 __all__ = ["AXES", "Dim", "Role", "VirtualWorld"]
 

@@ -1,0 +1,42 @@
+"""megatron-core without Transformer Engine or apex (our CPU machines and the GPU image alike).
+
+megatron-core's local (non-TE) layer specs leave three gaps that block configurations we must run;
+`activate_local_specs()` closes them, on any device, only where megatron fell back to the local
+implementations:
+
+- `WrappedTorchNorm` refuses sequence parallelism: the specs get `SequenceParallelTorchNorm`
+  (runtime/norm.py), a torch norm whose weights carry `sequence_parallel` so their gradients are
+  summed over tensor-parallel ranks, as apex's FusedLayerNorm does;
+- the local `DotProductAttention` refuses context parallelism: the local spec provider returns
+  `ContextParallelDotProductAttention` (runtime/cp_attention.py), TE's all-gather CP pattern;
+- megatron-core 0.16.1's MoE router names `te_general_gemm`, defined only when TE imports: it is
+  defined as None so the router uses torch.
+"""
+
+from __future__ import annotations
+
+from prism_megatron.runtime.patching import PatchSet
+
+
+def activate_local_specs(patches: PatchSet) -> None:
+    """Apply the fallbacks above into `patches` (restored with it); a no-op without megatron-core."""
+    try:
+        from megatron.core.models import backends
+        from megatron.core.models.gpt import gpt_layer_specs
+        from megatron.core.transformer import transformer_block
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    from prism_megatron.runtime.cp_attention import ContextParallelDotProductAttention
+    from prism_megatron.runtime.norm import SequenceParallelTorchNorm
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        patches.patch(moe_utils, "te_general_gemm", None)
+    # LocalSpecProvider.core_attention() returns this module-level name.
+    if getattr(backends, "DotProductAttention", None) is DotProductAttention:
+        patches.patch(backends, "DotProductAttention", ContextParallelDotProductAttention)
+    for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"),
+                        (transformer_block, "LayerNormImpl")):
+        if getattr(getattr(owner, name, None), "__name__", "") == "WrappedTorchNorm":
+            patches.patch(owner, name, SequenceParallelTorchNorm)
