@@ -23,7 +23,7 @@ for cfg in tp2 pp2; do
     timeout 300 torchrun --nproc-per-node 2 --master-port $port examples/pretrain_gpt.py --device cuda $A \
       --hidden-size 1024 --num-attention-heads 16 --seq-length 512 --global-batch-size 8 --train-iters 5 $X \
       --prism-summary-json "$OUT/${cfg}_${mode}.json" > /tmp/${cfg}_${mode}.log 2>&1 \
-      || { echo "== $cfg $mode failed:"; grep -v -i warn /tmp/${cfg}_${mode}.log | tail -25; }
+      || { echo "== $cfg $mode failed:"; grep -E "^\[rank0\]" /tmp/${cfg}_${mode}.log | tail -30; }
   done
 done
 python3 - "$OUT" <<'PY'

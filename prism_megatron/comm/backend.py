@@ -82,10 +82,11 @@ class PrismGroup(dist.ProcessGroup):
         self._seq = 0
         self._lock = threading.Lock()
         self._stash: dict[tuple, dict[int, np.ndarray]] = {}
-        self.inner = None
-        if r > 1:
-            physical_members = [phys.physical_of(self.members[g]) for g in self.real]
-            self.inner = phys.make_backend(dist.PrefixStore("prism/inner/", store), physical_members)
+        self.has_peers = r > 1
+        self._store = store
+        self._inners: dict[str, object] = {}
+        if self.has_peers:  # rendezvous now, while every real member is creating this group
+            self._inner(phys.device_type)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -126,6 +127,19 @@ class PrismGroup(dist.ProcessGroup):
         for g in self.ghosts:
             policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
 
+    def _inner(self, like):
+        """The real backend over this group's physical members for `like`'s device (a tensor or a
+        device type): NCCL for CUDA tensors, gloo for CPU ones (object collectives use CPU tensors
+        even on GPU). A second device's backend is made on first use, which every real member
+        reaches at the same operation."""
+        device_type = like if isinstance(like, str) else like.device.type
+        if device_type not in self._inners:
+            phys = self.session.physical
+            members = [phys.physical_of(self.members[g]) for g in self.real]
+            store = dist.PrefixStore(f"prism/inner/{device_type}/", self._store)
+            self._inners[device_type] = phys.make_backend(store, members, device_type)
+        return self._inners[device_type]
+
     def _inner_index(self, group_rank: int) -> Optional[int]:
         try:
             return self.real.index(group_rank)
@@ -138,8 +152,8 @@ class PrismGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts or dist.AllreduceOptions())
         seq = self._begin("all_reduce", tensors, reduce_op=op)
-        if self.inner is not None:
-            self.inner.allreduce(tensors, _inner_reduce_opts(dist.AllreduceOptions, op)).wait()
+        if self.has_peers:
+            self._inner(tensors[0]).allreduce(tensors, _inner_reduce_opts(dist.AllreduceOptions, op)).wait()
         for i, t in enumerate(tensors):
             self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
                                                  gen_factory=self._gen(t.device, seq, i))
@@ -157,8 +171,8 @@ class PrismGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         seq = self._begin("reduce", tensors, reduce_op=op)
         root = opts.rootRank
-        if self.inner is not None and root in self.real:
-            self.inner.reduce(tensors, _inner_reduce_opts(
+        if self.has_peers and root in self.real:
+            self._inner(tensors[0]).reduce(tensors, _inner_reduce_opts(
                 dist.ReduceOptions, op, rootRank=self._inner_index(root), rootTensor=opts.rootTensor)).wait()
         if root == self.rank():
             for i, t in enumerate(tensors):
@@ -178,8 +192,8 @@ class PrismGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _reduce_op(opts or dist.ReduceScatterOptions())
         seq = self._begin("reduce_scatter", [input], reduce_op=op)
-        if self.inner is not None and not self.ghosts:
-            self.inner._reduce_scatter_base(
+        if self.has_peers and not self.ghosts:
+            self._inner(output)._reduce_scatter_base(
                 output, input, _inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
             self.session.policy.finish_reduction(output, op, n=self.n, r=self.n,
                                                  gen_factory=self._gen(output.device, seq))
@@ -193,9 +207,9 @@ class PrismGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def _reduce_scatter_one(self, out, inputs, op, seq, salt):
-        if self.inner is not None:
+        if self.has_peers:
             real_inputs = [inputs[g] for g in self.real]
-            self.inner.reduce_scatter([out], [real_inputs],
+            self._inner(out).reduce_scatter([out], [real_inputs],
                                       _inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
         elif out.data_ptr() != inputs[self.rank()].data_ptr():
             out.copy_(inputs[self.rank()])
@@ -210,8 +224,8 @@ class PrismGroup(dist.ProcessGroup):
         for outs, inp in zip(output_tensors, input_tensors):
             outs = list(outs)
             in_place = outs[self.rank()].data_ptr() == inp.data_ptr()
-            if self.inner is not None:
-                self.inner.allgather([[outs[g] for g in self.real]], [inp]).wait()
+            if self.has_peers:
+                self._inner(inp).allgather([[outs[g] for g in self.real]], [inp]).wait()
             elif not in_place:
                 outs[self.rank()].copy_(inp)
             if not (in_place and self.session.policy.effective(inp.dtype) == "mirror"):
@@ -221,8 +235,8 @@ class PrismGroup(dist.ProcessGroup):
     @torch.no_grad()
     def _allgather_base(self, output, input, opts=None):
         seq = self._begin("all_gather", [output])
-        if self.inner is not None and not self.ghosts:
-            self.inner._allgather_base(output, input).wait()
+        if self.has_peers and not self.ghosts:
+            self._inner(output)._allgather_base(output, input).wait()
             return _done([output])
         slots = list(output.chunk(self.n))
         mirror = self.session.policy.effective(output.dtype) == "mirror"
@@ -231,15 +245,15 @@ class PrismGroup(dist.ProcessGroup):
             # In-place gather of sharded state (distributed optimizer / ZeRO parameters): each ghost
             # owns its shard and would have updated it as we did ours; we keep its last known value
             # rather than overwrite it with copies of our shard.
-            if self.inner is not None:
-                self.inner.allgather([[slots[g] for g in self.real]], [input]).wait()
+            if self.has_peers:
+                self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return _done([output])
-        if self.inner is None and mirror and output.is_contiguous():
+        if not self.has_peers and mirror and output.is_contiguous():
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
             return _done([output])
-        if self.inner is not None:
-            self.inner.allgather([[slots[g] for g in self.real]], [input]).wait()
+        if self.has_peers:
+            self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
         else:
             slots[self.rank()].copy_(input)
         self._fill_ghosts(slots, seq)
@@ -263,11 +277,11 @@ class PrismGroup(dist.ProcessGroup):
         if root in self.ghosts:
             return _done(output_tensors)  # the data goes to a ghost: nothing to do
         outs = list(output_tensors[0]) if self.rank() == root else []
-        if self.inner is not None:
+        if self.has_peers:
             inner_opts = dist.GatherOptions()
             inner_opts.rootRank = self._inner_index(root)
             inner_out = [[outs[g] for g in self.real]] if outs else []
-            self.inner.gather(inner_out, input_tensors, inner_opts).wait()
+            self._inner(input_tensors[0]).gather(inner_out, input_tensors, inner_opts).wait()
         elif outs:
             outs[root].copy_(input_tensors[0])
         if outs:
@@ -281,19 +295,19 @@ class PrismGroup(dist.ProcessGroup):
         root = opts.rootRank
         seq = self._begin("broadcast", tensors)
         if root in self.real:
-            if self.inner is not None:
+            if self.has_peers:
                 inner_opts = dist.BroadcastOptions()
                 inner_opts.rootRank = self._inner_index(root)
                 inner_opts.rootTensor = opts.rootTensor
-                self.inner.broadcast(tensors, inner_opts).wait()
+                self._inner(tensors[0]).broadcast(tensors, inner_opts).wait()
             return _done(tensors)
         source = self.mirror_source[root]  # ghost root j mirrors real member j mod r
         for i, t in enumerate(tensors):
             if self.session.policy.effective(t.dtype) == "mirror":
-                if self.inner is not None:  # all real members agree on the mirrored root's data
+                if self.has_peers:  # all real members agree on the mirrored root's data
                     inner_opts = dist.BroadcastOptions()
                     inner_opts.rootRank = self._inner_index(source)
-                    self.inner.broadcast([t], inner_opts).wait()
+                    self._inner(t).broadcast([t], inner_opts).wait()
             else:
                 self.session.policy.fill(t, None, self._gen(t.device, seq, i))
         return _done(tensors)
@@ -304,11 +318,11 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("scatter", list(output_tensors) * self.n)  # the full input, on every member
         out = output_tensors[0]
         if root in self.real:
-            if self.inner is not None:
+            if self.has_peers:
                 inner_opts = dist.ScatterOptions()
                 inner_opts.rootRank = self._inner_index(root)
                 inputs = [[input_tensors[0][g] for g in self.real]] if self.rank() == root else []
-                self.inner.scatter([out], inputs, inner_opts).wait()
+                self._inner(out).scatter([out], inputs, inner_opts).wait()
             elif out.data_ptr() != input_tensors[0][root].data_ptr():
                 out.copy_(input_tensors[0][root])
         elif self.session.policy.effective(out.dtype) != "mirror":
@@ -320,8 +334,8 @@ class PrismGroup(dist.ProcessGroup):
     @torch.no_grad()
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         seq = self._begin("all_to_all", [input])
-        if self.inner is not None and not self.ghosts:
-            self.inner.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+        if self.has_peers and not self.ghosts:
+            self._inner(output).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                      dist.AllToAllOptions()).wait()
             return _done([output])
         outs = _split(output, output_split_sizes, self.n)
@@ -339,7 +353,7 @@ class PrismGroup(dist.ProcessGroup):
         return _done(output_tensors)
 
     def _alltoall_real(self, outs, ins):
-        if self.inner is None:
+        if not self.has_peers:
             if outs[self.rank()].data_ptr() != ins[self.rank()].data_ptr():
                 outs[self.rank()].copy_(ins[self.rank()])
             return
@@ -347,7 +361,7 @@ class PrismGroup(dist.ProcessGroup):
         send = torch.cat([ins[g].reshape(-1) for g in self.real])
         recv = torch.empty(sum(outs[g].numel() for g in self.real), dtype=send.dtype,
                            device=send.device)
-        self.inner.alltoall_base(recv, send, [outs[g].numel() for g in self.real],
+        self._inner(send).alltoall_base(recv, send, [outs[g].numel() for g in self.real],
                                  [ins[g].numel() for g in self.real], dist.AllToAllOptions()).wait()
         offset = 0
         for g in self.real:
@@ -362,7 +376,7 @@ class PrismGroup(dist.ProcessGroup):
         self._begin("send", tensors, peer=dstRank)
         physical = self.session.physical.physical_of(self.members[dstRank])
         if physical is not None:
-            return self.session.p2p_backend.send(tensors, physical, tag)
+            return self.session.p2p_backends[tensors[0].device.type].send(tensors, physical, tag)
         for t in tensors:  # keep a host copy outside torch's allocator: memory stays a real rank's
             # The first one only: mirroring our latest output back into our input would form a loop
             # (activations and gradients fed back through the same layers) that grows without bound.
@@ -376,7 +390,7 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("recv", tensors, peer=srcRank)
         physical = self.session.physical.physical_of(self.members[srcRank])
         if physical is not None:
-            return self.session.p2p_backend.recv(tensors, physical, tag)
+            return self.session.p2p_backends[tensors[0].device.type].recv(tensors, physical, tag)
         for i, t in enumerate(tensors):
             policy = self.session.policy
             if policy.effective(t.dtype) == "mirror":
@@ -408,8 +422,8 @@ class PrismGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         self._begin("barrier", [])
-        if self.inner is not None:
-            self.inner.barrier(dist.BarrierOptions()).wait()
+        if self.has_peers:
+            self._inner(self.session.physical.device_type).barrier(dist.BarrierOptions()).wait()
         return _done(None)
 
 

@@ -57,16 +57,16 @@ class PhysicalWorld:
         """The physical rank playing `virtual_rank`, or None for a ghost."""
         return self._physical_of.get(virtual_rank)
 
-    def make_backend(self, store: dist.Store, physical_members: Sequence[int]):
-        """A real backend (gloo/NCCL) over `physical_members`, rendezvousing under `store`."""
+    def make_backend(self, store: dist.Store, physical_members: Sequence[int],
+                     device_type: Optional[str] = None):
+        """A real backend over `physical_members` for `device_type` (default: this world's):
+        NCCL for cuda, gloo for cpu; it rendezvouses under `store`."""
         rank = physical_members.index(self.rank)
         size = len(physical_members)
-        if self.device_type == "cuda":
+        if (device_type or self.device_type) == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            backend = dist.ProcessGroupNCCL(store, rank, size, opts)
-            # Bind eagerly so p2p and collectives share one communicator per group.
-            return backend
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
         return dist.ProcessGroupGloo(store, rank, size, self.timeout)
 
 
@@ -80,8 +80,8 @@ class VirtualSession:
     world: Optional[object] = None
     """The `VirtualWorld` (megatron dims) if known; used to label groups by dim."""
     log: CommLog = field(default_factory=CommLog)
-    p2p_backend: Optional[object] = None
-    """Real backend over all physical processes, used only for real-to-real send/recv."""
+    p2p_backends: dict[str, object] = field(default_factory=dict)
+    """Real backends over all physical processes by device type, only for real-to-real send/recv."""
 
     def __post_init__(self) -> None:
         bad = [v for v in self.physical.sandbox_ranks if not 0 <= v < self.world_size]
@@ -97,10 +97,14 @@ class VirtualSession:
         return self.physical.virtual_rank
 
     def connect_p2p(self) -> None:
-        """Build the real p2p backend among all physical processes (collective over them)."""
-        if self.physical.size > 1 and self.p2p_backend is None:
-            store = dist.PrefixStore("prism/p2p/", self.physical.store)
-            self.p2p_backend = self.physical.make_backend(store, list(range(self.physical.size)))
+        """Build the real p2p backends among all physical processes (collective over them): gloo,
+        and NCCL on GPU. Both now, since a pair of ranks alone cannot build one later."""
+        if self.physical.size == 1 or self.p2p_backends:
+            return
+        everyone = list(range(self.physical.size))
+        for device_type in sorted({"cpu", self.physical.device_type}):
+            store = dist.PrefixStore(f"prism/p2p/{device_type}/", self.physical.store)
+            self.p2p_backends[device_type] = self.physical.make_backend(store, everyone, device_type)
 
     def dim_of(self, members: Sequence[int]) -> str:
         """Megatron dim of a member list (tp, dp, ...), `world` for everyone, else `other`."""
