@@ -21,6 +21,7 @@ buffer; under `zeros`/`random` both are filled. Known limits: `recv` from any so
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Optional, Sequence
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_megatron.comm.events import CommEvent
 from prism_megatron.comm.session import VirtualSession
@@ -35,6 +37,23 @@ from prism_megatron.comm.session import VirtualSession
 BACKEND_NAME = "prism"
 _REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
                  ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
+
+
+def _operation(method):
+    """Run a group operation without autograd and with Python dispatch modes suspended.
+
+    torch's own collectives reach a backend as dispatched c10d ops, whose internals no Python
+    dispatch mode sees; calling the inner backend directly from here would let a mode (such as the
+    CPU memory tracker) see gloo's internal scratch tensors, which a plain run never shows. The
+    ghost fills are in place, so nothing a real rank would allocate is hidden.
+    """
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch.no_grad(), _disable_current_modes():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def _done(result=None) -> dist.Work:
@@ -148,7 +167,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- reductions ----------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @_operation
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts or dist.AllreduceOptions())
         seq = self._begin("all_reduce", tensors, reduce_op=op)
@@ -166,7 +185,7 @@ class PrismGroup(dist.ProcessGroup):
             self.allreduce([t], opts_single)
         return _done(tensors)
 
-    @torch.no_grad()
+    @_operation
     def reduce(self, tensors, opts):
         op = _reduce_op(opts)
         seq = self._begin("reduce", tensors, reduce_op=op)
@@ -180,7 +199,7 @@ class PrismGroup(dist.ProcessGroup):
                                                      gen_factory=self._gen(t.device, seq, i))
         return _done(tensors)
 
-    @torch.no_grad()
+    @_operation
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _reduce_op(opts or dist.ReduceScatterOptions())
         seq = self._begin("reduce_scatter", [t for ts in input_tensors for t in ts], reduce_op=op)
@@ -188,7 +207,7 @@ class PrismGroup(dist.ProcessGroup):
             self._reduce_scatter_one(out, list(inputs), op, seq, i)
         return _done(output_tensors)
 
-    @torch.no_grad()
+    @_operation
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _reduce_op(opts or dist.ReduceScatterOptions())
         seq = self._begin("reduce_scatter", [input], reduce_op=op)
@@ -218,7 +237,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- gathers -------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @_operation
     def allgather(self, output_tensors, input_tensors, opts=None):
         seq = self._begin("all_gather", [t for ts in output_tensors for t in ts])
         for outs, inp in zip(output_tensors, input_tensors):
@@ -232,7 +251,7 @@ class PrismGroup(dist.ProcessGroup):
                 self._fill_ghosts(outs, seq)  # in place under mirror: ghosts keep their shards
         return _done(output_tensors)
 
-    @torch.no_grad()
+    @_operation
     def _allgather_base(self, output, input, opts=None):
         seq = self._begin("all_gather", [output])
         if self.has_peers and not self.ghosts:
@@ -269,7 +288,7 @@ class PrismGroup(dist.ProcessGroup):
             self._allgather_base(out, inp, opts)
         return _done(outputs)
 
-    @torch.no_grad()
+    @_operation
     def gather(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
         # Bytes are the full gathered output on every member (nccl-tests' size), root or not.
@@ -290,7 +309,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- one-to-all ----------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @_operation
     def broadcast(self, tensors, opts):
         root = opts.rootRank
         seq = self._begin("broadcast", tensors)
@@ -312,7 +331,7 @@ class PrismGroup(dist.ProcessGroup):
                 self.session.policy.fill(t, None, self._gen(t.device, seq, i))
         return _done(tensors)
 
-    @torch.no_grad()
+    @_operation
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
         seq = self._begin("scatter", list(output_tensors) * self.n)  # the full input, on every member
@@ -331,7 +350,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- all-to-all ----------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @_operation
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         seq = self._begin("all_to_all", [input])
         if self.has_peers and not self.ghosts:
@@ -344,7 +363,7 @@ class PrismGroup(dist.ProcessGroup):
         self._fill_ghosts(outs, seq)
         return _done([output])
 
-    @torch.no_grad()
+    @_operation
     def alltoall(self, output_tensors, input_tensors, opts=None):
         seq = self._begin("all_to_all", input_tensors)
         outs, ins = list(output_tensors), list(input_tensors)
@@ -371,7 +390,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- point to point ------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @_operation
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch API names
         self._begin("send", tensors, peer=dstRank)
         physical = self.session.physical.physical_of(self.members[dstRank])
@@ -385,7 +404,7 @@ class PrismGroup(dist.ProcessGroup):
                 sent[dstRank] = _host_bytes(t)
         return _done(tensors)
 
-    @torch.no_grad()
+    @_operation
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803
         seq = self._begin("recv", tensors, peer=srcRank)
         physical = self.session.physical.physical_of(self.members[srcRank])
@@ -420,6 +439,7 @@ class PrismGroup(dist.ProcessGroup):
         raise NotImplementedError("recv from any source is not supported by the prism backend; "
                                   "receive from a named rank")
 
+    @_operation
     def barrier(self, opts=None):
         self._begin("barrier", [])
         if self.has_peers:

@@ -15,11 +15,16 @@ implementations:
 
 from __future__ import annotations
 
+import warnings
+
 from prism_megatron.runtime.patching import PatchSet
 
 
 def activate_local_specs(patches: PatchSet) -> None:
     """Apply the fallbacks above into `patches` (restored with it); a no-op without megatron-core."""
+    # The condition handled here; megatron warns about it once per module at import.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed",
+                            category=UserWarning)
     try:
         from megatron.core.models import backends
         from megatron.core.models.gpt import gpt_layer_specs
