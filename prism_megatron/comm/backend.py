@@ -21,6 +21,7 @@ buffer; under `zeros`/`random` both are filled. Known limits: `recv` from any so
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Optional, Sequence
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from prism_megatron.comm.events import CommEvent
 from prism_megatron.comm.session import VirtualSession
@@ -50,10 +51,21 @@ def _operation(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with torch.no_grad(), _disable_current_modes():
+        with torch.no_grad(), _suspended_dispatch_modes():
             return method(self, *args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _suspended_dispatch_modes():
+    """Pop the Python dispatch modes for the block and push them back after (cheap when none)."""
+    modes = [_pop_mode() for _ in range(torch._C._len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_mode(mode)
 
 
 def _done(result=None) -> dist.Work:

@@ -245,6 +245,10 @@ def _settling_wait(original: Callable, settle_s: float) -> Callable:
         return original
 
     def wait(self, *args, **kwargs):
+        # Finished before we waited (a prism result, or an async op waited on later): the worker
+        # let go of it long ago, and sleeping would only slow every call down.
+        if self.is_completed():
+            return original(self, *args, **kwargs)
         result = original(self, *args, **kwargs)
         time.sleep(settle_s)
         return result
