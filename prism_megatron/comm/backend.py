@@ -21,8 +21,6 @@ buffer; under `zeros`/`random` both are filled. Known limits: `recv` from any so
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import threading
 from typing import Optional, Sequence
 
@@ -30,70 +28,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from prism_megatron.comm.events import CommEvent
+from prism_megatron.comm.ops import (
+    REDUCE_NAMES,
+    done,
+    host_bytes,
+    inner_reduce_opts,
+    nbytes_of,
+    operation,
+    reduce_op_of,
+    split_rows,
+)
 from prism_megatron.comm.session import VirtualSession
 
 BACKEND_NAME = "prism"
-_REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
-                 ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
-
-
-def _operation(method):
-    """Run a group operation without autograd and with Python dispatch modes suspended.
-
-    torch's own collectives reach a backend as dispatched c10d ops, whose internals no Python
-    dispatch mode sees; calling the inner backend directly from here would let a mode (such as the
-    CPU memory tracker) see gloo's internal scratch tensors, which a plain run never shows. The
-    ghost fills are in place, so nothing a real rank would allocate is hidden.
-    """
-
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with torch.no_grad(), _suspended_dispatch_modes():
-            return method(self, *args, **kwargs)
-
-    return run
-
-
-@contextlib.contextmanager
-def _suspended_dispatch_modes():
-    """Pop the Python dispatch modes for the block and push them back after (cheap when none)."""
-    modes = [_pop_mode() for _ in range(torch._C._len_torch_dispatch_stack())]
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
-            _push_mode(mode)
-
-
-def _done(result=None) -> dist.Work:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
-
-
-def _reduce_op(opts) -> ReduceOp:
-    for op in _REDUCE_NAMES:
-        if opts.reduceOp == op:
-            return op
-    raise ValueError(f"reduce op {opts.reduceOp} is not supported by the prism backend; "
-                     "expected SUM, AVG, MAX, MIN or PRODUCT")
-
-
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _inner_reduce_opts(cls, op: ReduceOp, **extra):
-    opts = cls()
-    opts.reduceOp = ReduceOp.SUM if op == ReduceOp.AVG else op  # gloo has no AVG
-    for key, value in extra.items():
-        setattr(opts, key, value)
-    return opts
-
-
 class PrismGroup(dist.ProcessGroup):
     """A group of the virtual world as seen by one sandbox rank."""
 
@@ -143,10 +92,10 @@ class PrismGroup(dist.ProcessGroup):
             self._seq += 1
         dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else "none"
         self.session.log.record(CommEvent(
-            op=op, dim=self.dim, group_id=self.group_id, nbytes=_nbytes(tensors), dtype=dtype,
+            op=op, dim=self.dim, group_id=self.group_id, nbytes=nbytes_of(tensors), dtype=dtype,
             seq=seq, members=self.members, ghosts=len(self.ghosts),
             peer=None if peer is None else self.members[peer],
-            reduce_op=None if reduce_op is None else _REDUCE_NAMES[reduce_op]))
+            reduce_op=None if reduce_op is None else REDUCE_NAMES[reduce_op]))
         return seq
 
     def _gen(self, device: torch.device, seq: int, salt: int = 0):
@@ -179,69 +128,69 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- reductions ----------------------------------------------------------------------------
 
-    @_operation
+    @operation
     def allreduce(self, tensors, opts=None):
-        op = _reduce_op(opts or dist.AllreduceOptions())
+        op = reduce_op_of(opts or dist.AllreduceOptions())
         seq = self._begin("all_reduce", tensors, reduce_op=op)
         if self.has_peers:
-            self._inner(tensors[0]).allreduce(tensors, _inner_reduce_opts(dist.AllreduceOptions, op)).wait()
+            self._inner(tensors[0]).allreduce(tensors, inner_reduce_opts(dist.AllreduceOptions, op)).wait()
         for i, t in enumerate(tensors):
             self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
                                                  gen_factory=self._gen(t.device, seq, i))
-        return _done(tensors)
+        return done(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts_single = dist.AllreduceOptions()
         opts_single.reduceOp = (opts or dist.AllreduceCoalescedOptions()).reduceOp
         for t in tensors:
             self.allreduce([t], opts_single)
-        return _done(tensors)
+        return done(tensors)
 
-    @_operation
+    @operation
     def reduce(self, tensors, opts):
-        op = _reduce_op(opts)
+        op = reduce_op_of(opts)
         seq = self._begin("reduce", tensors, reduce_op=op)
         root = opts.rootRank
         if self.has_peers and root in self.real:
-            self._inner(tensors[0]).reduce(tensors, _inner_reduce_opts(
+            self._inner(tensors[0]).reduce(tensors, inner_reduce_opts(
                 dist.ReduceOptions, op, rootRank=self._inner_index(root), rootTensor=opts.rootTensor)).wait()
         if root == self.rank():
             for i, t in enumerate(tensors):
                 self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
                                                      gen_factory=self._gen(t.device, seq, i))
-        return _done(tensors)
+        return done(tensors)
 
-    @_operation
+    @operation
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = _reduce_op(opts or dist.ReduceScatterOptions())
+        op = reduce_op_of(opts or dist.ReduceScatterOptions())
         seq = self._begin("reduce_scatter", [t for ts in input_tensors for t in ts], reduce_op=op)
         for i, (out, inputs) in enumerate(zip(output_tensors, input_tensors)):
             self._reduce_scatter_one(out, list(inputs), op, seq, i)
-        return _done(output_tensors)
+        return done(output_tensors)
 
-    @_operation
+    @operation
     def _reduce_scatter_base(self, output, input, opts=None):
-        op = _reduce_op(opts or dist.ReduceScatterOptions())
+        op = reduce_op_of(opts or dist.ReduceScatterOptions())
         seq = self._begin("reduce_scatter", [input], reduce_op=op)
         if self.has_peers and not self.ghosts:
             self._inner(output)._reduce_scatter_base(
-                output, input, _inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
+                output, input, inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
             self.session.policy.finish_reduction(output, op, n=self.n, r=self.n,
                                                  gen_factory=self._gen(output.device, seq))
         else:
             self._reduce_scatter_one(output, list(input.chunk(self.n)), op, seq, 0)
-        return _done([output])
+        return done([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             self._reduce_scatter_base(out, inp, opts)
-        return _done(outputs)
+        return done(outputs)
 
     def _reduce_scatter_one(self, out, inputs, op, seq, salt):
         if self.has_peers:
             real_inputs = [inputs[g] for g in self.real]
             self._inner(out).reduce_scatter([out], [real_inputs],
-                                      _inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
+                                      inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
         elif out.data_ptr() != inputs[self.rank()].data_ptr():
             out.copy_(inputs[self.rank()])
         self.session.policy.finish_reduction(out, op, n=self.n, r=len(self.real),
@@ -249,7 +198,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- gathers -------------------------------------------------------------------------------
 
-    @_operation
+    @operation
     def allgather(self, output_tensors, input_tensors, opts=None):
         seq = self._begin("all_gather", [t for ts in output_tensors for t in ts])
         for outs, inp in zip(output_tensors, input_tensors):
@@ -261,14 +210,14 @@ class PrismGroup(dist.ProcessGroup):
                 outs[self.rank()].copy_(inp)
             if not (in_place and self.session.policy.effective(inp.dtype) == "mirror"):
                 self._fill_ghosts(outs, seq)  # in place under mirror: ghosts keep their shards
-        return _done(output_tensors)
+        return done(output_tensors)
 
-    @_operation
+    @operation
     def _allgather_base(self, output, input, opts=None):
         seq = self._begin("all_gather", [output])
         if self.has_peers and not self.ghosts:
             self._inner(output)._allgather_base(output, input).wait()
-            return _done([output])
+            return done([output])
         slots = list(output.chunk(self.n))
         mirror = self.session.policy.effective(output.dtype) == "mirror"
         in_place = input.data_ptr() == slots[self.rank()].data_ptr()
@@ -278,35 +227,35 @@ class PrismGroup(dist.ProcessGroup):
             # rather than overwrite it with copies of our shard.
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
-            return _done([output])
+            return done([output])
         if not self.has_peers and mirror and output.is_contiguous():
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
-            return _done([output])
+            return done([output])
         if self.has_peers:
             self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
         else:
             slots[self.rank()].copy_(input)
         self._fill_ghosts(slots, seq)
-        return _done([output])
+        return done([output])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         for outs, inp in zip(output_lists, input_list):
             self.allgather([outs], [inp], opts)
-        return _done(output_lists)
+        return done(output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             self._allgather_base(out, inp, opts)
-        return _done(outputs)
+        return done(outputs)
 
-    @_operation
+    @operation
     def gather(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
         # Bytes are the full gathered output on every member (nccl-tests' size), root or not.
         seq = self._begin("gather", list(input_tensors) * self.n)
         if root in self.ghosts:
-            return _done(output_tensors)  # the data goes to a ghost: nothing to do
+            return done(output_tensors)  # the data goes to a ghost: nothing to do
         outs = list(output_tensors[0]) if self.rank() == root else []
         if self.has_peers:
             inner_opts = dist.GatherOptions()
@@ -317,11 +266,11 @@ class PrismGroup(dist.ProcessGroup):
             outs[root].copy_(input_tensors[0])
         if outs:
             self._fill_ghosts(outs, seq)
-        return _done(output_tensors)
+        return done(output_tensors)
 
     # -- one-to-all ----------------------------------------------------------------------------
 
-    @_operation
+    @operation
     def broadcast(self, tensors, opts):
         root = opts.rootRank
         seq = self._begin("broadcast", tensors)
@@ -331,7 +280,7 @@ class PrismGroup(dist.ProcessGroup):
                 inner_opts.rootRank = self._inner_index(root)
                 inner_opts.rootTensor = opts.rootTensor
                 self._inner(tensors[0]).broadcast(tensors, inner_opts).wait()
-            return _done(tensors)
+            return done(tensors)
         source = self.mirror_source[root]  # ghost root j mirrors real member j mod r
         for i, t in enumerate(tensors):
             if self.session.policy.effective(t.dtype) == "mirror":
@@ -341,9 +290,9 @@ class PrismGroup(dist.ProcessGroup):
                     self._inner(t).broadcast([t], inner_opts).wait()
             else:
                 self.session.policy.fill(t, None, self._gen(t.device, seq, i))
-        return _done(tensors)
+        return done(tensors)
 
-    @_operation
+    @operation
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
         seq = self._begin("scatter", list(output_tensors) * self.n)  # the full input, on every member
@@ -358,30 +307,30 @@ class PrismGroup(dist.ProcessGroup):
                 out.copy_(input_tensors[0][root])
         elif self.session.policy.effective(out.dtype) != "mirror":
             self.session.policy.fill(out, None, self._gen(out.device, seq))
-        return _done(output_tensors)
+        return done(output_tensors)
 
     # -- all-to-all ----------------------------------------------------------------------------
 
-    @_operation
+    @operation
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         seq = self._begin("all_to_all", [input])
         if self.has_peers and not self.ghosts:
             self._inner(output).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                      dist.AllToAllOptions()).wait()
-            return _done([output])
-        outs = _split(output, output_split_sizes, self.n)
-        ins = _split(input, input_split_sizes, self.n)
+            return done([output])
+        outs = split_rows(output, output_split_sizes, self.n)
+        ins = split_rows(input, input_split_sizes, self.n)
         self._alltoall_real(outs, ins)
         self._fill_ghosts(outs, seq)
-        return _done([output])
+        return done([output])
 
-    @_operation
+    @operation
     def alltoall(self, output_tensors, input_tensors, opts=None):
         seq = self._begin("all_to_all", input_tensors)
         outs, ins = list(output_tensors), list(input_tensors)
         self._alltoall_real(outs, ins)
         self._fill_ghosts(outs, seq)
-        return _done(output_tensors)
+        return done(output_tensors)
 
     def _alltoall_real(self, outs, ins):
         if not self.has_peers:
@@ -402,7 +351,7 @@ class PrismGroup(dist.ProcessGroup):
 
     # -- point to point ------------------------------------------------------------------------
 
-    @_operation
+    @operation
     def send(self, tensors, dstRank, tag=0):  # noqa: N803 - torch API names
         self._begin("send", tensors, peer=dstRank)
         physical = self.session.physical.physical_of(self.members[dstRank])
@@ -413,10 +362,10 @@ class PrismGroup(dist.ProcessGroup):
             # (activations and gradients fed back through the same layers) that grows without bound.
             sent = self._stash.setdefault((tuple(t.shape), t.dtype), {})
             if dstRank not in sent:
-                sent[dstRank] = _host_bytes(t)
-        return _done(tensors)
+                sent[dstRank] = host_bytes(t)
+        return done(tensors)
 
-    @_operation
+    @operation
     def recv(self, tensors, srcRank, tag=0):  # noqa: N803
         seq = self._begin("recv", tensors, peer=srcRank)
         physical = self.session.physical.physical_of(self.members[srcRank])
@@ -438,7 +387,7 @@ class PrismGroup(dist.ProcessGroup):
                     t.copy_(torch.from_numpy(raw).view(t.dtype).view(t.shape))
             else:
                 policy.fill(t, None, self._gen(t.device, seq, i))
-        return _done(tensors)
+        return done(tensors)
 
     # torch >= 2.12 names the tensor forms *_single; older releases call the underscored names.
     all_gather_single = _allgather_base
@@ -451,29 +400,12 @@ class PrismGroup(dist.ProcessGroup):
         raise NotImplementedError("recv from any source is not supported by the prism backend; "
                                   "receive from a named rank")
 
-    @_operation
+    @operation
     def barrier(self, opts=None):
         self._begin("barrier", [])
         if self.has_peers:
             self._inner(self.session.physical.device_type).barrier(dist.BarrierOptions()).wait()
-        return _done(None)
-
-
-def _split(tensor: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
-    sizes = [int(x) for x in sizes] if sizes is not None else []  # a list or a tensor of sizes
-    if not sizes:
-        if tensor.shape[0] % n:
-            raise ValueError(f"all_to_all: dim 0 ({tensor.shape[0]}) is not divisible by the group "
-                             f"size {n}; pass split sizes")
-        return list(tensor.chunk(n)) if tensor.shape[0] else [tensor] * n
-    return list(torch.split(tensor, list(sizes)))
-
-
-def _host_bytes(t: torch.Tensor) -> np.ndarray:
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.view(torch.uint8).numpy().copy()
+        return done(None)
 
 
 def create_prism_group(opts, backend_options) -> PrismGroup:
