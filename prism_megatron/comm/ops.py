@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
-                 ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
+                ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
 
 
 def operation(method):
