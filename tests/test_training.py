@@ -154,3 +154,20 @@ def test_context_parallel_on_cpu_matches_the_unsplit_sequence(tmp_path):
         mean = (ranks[0]["losses"][it] + ranks[1]["losses"][it]) / 2
         assert mean == pytest.approx(ref["losses"][it], rel=1e-6)
         assert ranks[0]["grad_norms"][it] == pytest.approx(ref["grad_norms"][it], rel=1e-5)
+
+
+@pytest.mark.parametrize("sandbox,shared", [(["4", "5"], "tp"), (["1", "9"], "pp")])
+def test_two_processes_play_two_ranks_among_ghosts(tmp_path, sandbox, shared):
+    """Two sandbox ranks of N=16 (TP2 PP2 DP4) that share a group exchange real data over gloo and
+    agree; the rest are ghosts. A pipeline pair gets the real loss of its (real) last stage."""
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                 str(_free_port()), EXAMPLE, "--device", "cpu", "--prism-virtual-world-size", "16",
+                 "--prism-sandbox-ranks", *sandbox, "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+                 "--prism-summary-json", str(tmp_path / "s.json")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (json.loads((tmp_path / f"s.rank{r}.json").read_text()) for r in sandbox)
+    assert a["grad_norms"] == b["grad_norms"] and all(math.isfinite(g) for g in a["grad_norms"])
+    if shared == "pp":  # the last stage is real: both ranks log its loss
+        assert a["losses"] == b["losses"] and all(math.isfinite(x) for x in a["losses"])
+        assert ("send", "pp") in {(row["op"], row["dim"]) for row in a["comm"]}
