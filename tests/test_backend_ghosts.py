@@ -7,11 +7,11 @@ documented semantics: the result, the events it records, and `session.log.rows()
 
 from __future__ import annotations
 
+import collective_battery as battery
 import pytest
 import torch
 import torch.distributed as dist
 
-import collective_battery as battery
 from prism_megatron.comm.ghost import GhostPolicy
 from prism_megatron.comm.session import PhysicalWorld, VirtualSession
 

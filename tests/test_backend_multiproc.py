@@ -13,12 +13,11 @@ from __future__ import annotations
 import multiprocessing
 from datetime import timedelta
 
+import collective_battery as battery
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import collective_battery as battery
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.filterwarnings("ignore::FutureWarning")]
 

@@ -16,7 +16,12 @@ from prism_megatron.config.flags import (
     config_from_args,
     field_docs,
 )
-from prism_megatron.config.schema import EmulationConfig, ModelConfig, ParallelConfig, TrainConfig
+from prism_megatron.config.schema import (
+    EmulationConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ import itertools
 import math
 import random
 
+import megatron.core.parallel_state as ps
 import pytest
 import torch
 
-import megatron.core.parallel_state as ps
 from prism_megatron.world import AXES, Dim, Role, VirtualWorld
 
 PP_LAST = "tp-cp-ep-dp-pp"
