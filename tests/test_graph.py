@@ -124,3 +124,27 @@ def test_a_world_of_8192_loads_as_128_role_graphs(tmp_path):
     graph = load_graph(path)
     assert len(graph.roles) == 128 and graph.graph_of(4711).representative == world.representative(
         world.role(4711))
+
+
+def test_perfetto_export_is_valid_chrome_trace_json(tmp_path):
+    from prism_megatron.graph.perfetto import write_chrome_trace
+
+    graph = synthetic_graph(WORLD)
+    path = tmp_path / "trace.json"
+    write_chrome_trace(graph, [0, 13], str(path))
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in complete} == {0, 13}
+    assert len(complete) == graph.graph_of(0).num_nodes + graph.graph_of(13).num_nodes
+    for e in complete:  # the Chrome trace event schema for complete events
+        assert isinstance(e["name"], str) and e["name"]
+        assert isinstance(e["ts"], float) and isinstance(e["dur"], float) and e["dur"] >= 0
+        assert isinstance(e["tid"], int) and e["cat"] in ("compute", "comm")
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert set(names.values()) == {"compute", "comm"}  # streams become tracks
+    assert all((e["pid"], e["tid"]) in names for e in complete)
+    sends = [e for e in complete if e["name"] == "send" and e["pid"] == 0]
+    assert sends and all(e["args"]["dim"] == "pp" and e["args"]["peer_delta"] == 1 for e in sends)
+    with pytest.raises(ValueError, match="outside the virtual world"):
+        write_chrome_trace(graph, [16], str(path))

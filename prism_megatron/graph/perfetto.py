@@ -1,0 +1,54 @@
+"""Export a rank's timeline as Chrome-trace JSON (opens in Perfetto and chrome://tracing).
+
+One process per exported virtual rank, one track (thread) per stream; every node is a complete
+("X") event with its measured start and duration in microseconds, and its communication fields
+(op, dim, bytes, dtype, sequence number, p2p peer) as args. The timeline is the captured one of the
+rank's role; the simulator (issue [C]) will export simulated timelines through the same function.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+from prism_megatron.graph.model import NO_PEER, ExecutionGraph, NodeKind
+from prism_megatron.util import atomic_write_text
+
+
+def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int]) -> dict:
+    """The Chrome-trace document for `ranks` (virtual ranks of `graph.world`)."""
+    events: list[dict] = []
+    for rank in ranks:
+        g = graph.graph_of(rank)
+        cols = g.columns
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank} {g.role}"}})
+        tids: dict[int, int] = {}
+        for stream in sorted({int(s) for s in cols["stream"]}):
+            tids[stream] = len(tids) + 1
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[stream],
+                           "args": {"name": graph.string(stream) or "default"}})
+        for i in range(g.num_nodes):
+            event = {"ph": "X", "pid": rank, "tid": tids[int(cols["stream"][i])],
+                     "name": graph.string(int(cols["name"][i])),
+                     "ts": float(cols["start_s"][i]) * 1e6, "dur": float(cols["duration_s"][i]) * 1e6,
+                     "cat": "comm" if cols["kind"][i] == NodeKind.COMM else "compute"}
+            if cols["kind"][i] == NodeKind.COMM:
+                event["args"] = {"dim": graph.string(int(cols["dim"][i])),
+                                 "bytes": int(cols["nbytes"][i]),
+                                 "dtype": graph.string(int(cols["dtype"][i])), "seq": int(cols["seq"][i])}
+                if cols["peer_delta"][i] != NO_PEER:
+                    event["args"]["peer_delta"] = int(cols["peer_delta"][i])
+            events.append(event)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"world_size": graph.world.world_size, "source": "captured"}}
+
+
+def write_chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], path: str) -> None:
+    """Write the trace of `ranks` to `path` atomically."""
+    ranks = list(ranks)
+    bad = [r for r in ranks if not 0 <= r < graph.world.world_size]
+    if bad:
+        raise ValueError(f"ranks {bad} are outside the virtual world of {graph.world.world_size}; "
+                         f"choose ranks in 0..{graph.world.world_size - 1}")
+    atomic_write_text(path, json.dumps(chrome_trace(graph, ranks)))
