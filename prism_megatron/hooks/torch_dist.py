@@ -28,10 +28,8 @@ def _physical_rendezvous(init_method, world_size, rank, store, timeout):
     """(store, physical rank, physical size) of the processes as launched."""
     if store is not None:
         return store, rank, world_size
-    launched = init_method is not None or "WORLD_SIZE" in os.environ
-    if not launched or (init_method is None and int(os.environ.get("WORLD_SIZE", "1")) == 1
-                        and "MASTER_ADDR" not in os.environ):
-        return dist.HashStore(), 0, 1
+    if init_method is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return dist.HashStore(), 0, 1  # one process: nobody to rendezvous with
     store, rank, world_size = next(dist.rendezvous(init_method or "env://", rank, world_size,
                                                    timeout=timeout))
     store.set_timeout(timeout)
