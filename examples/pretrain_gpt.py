@@ -167,9 +167,6 @@ def train(cfg, inst, summary_path):
         config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1
                                  else chunks[0].start_grad_sync)
     config.finalize_model_grads_func = finalize_model_grads
-    if inst.tracker is not None:
-        for chunk in chunks:
-            inst.tracker.register_model(chunk)
     forward_backward = get_forward_backward_func()
     t, rank = cfg.train, dist.get_rank()
     num_micro = t.global_batch_size // (t.micro_batch_size * ps.get_data_parallel_world_size())
@@ -189,8 +186,6 @@ def train(cfg, inst, summary_path):
             seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False)
         ok, grad_norm, _ = optimizer.step()
-        if inst.tracker is not None:
-            inst.tracker.register_optimizer(optimizer)
         loss = _pipeline_loss(losses, pp_group, last_stage, inst, device)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -213,15 +208,18 @@ def _free_port() -> int:
 
 
 def _pipeline_loss(losses, pp_group, last_stage, inst, device):
-    """Mean lm loss of the iteration, from the last pipeline stage (None if that stage is a ghost)."""
+    """Mean lm loss of the iteration, from the last pipeline stage (None if that stage is a ghost).
+
+    Every stage takes part in the broadcast, as at scale, so a sandbox's communication is a real
+    rank's; what a ghost last stage "sends" is not a loss, so it is not reported."""
     value = torch.zeros(1, device=device)
     if losses:  # per microbatch [sum of token losses, tokens]
         totals = torch.stack([x["lm loss"].float() for x in losses]).sum(dim=0)
         value[0] = totals[0] / totals[1]
     if dist.get_world_size(pp_group) > 1:
+        dist.broadcast(value, src=last_stage, group=pp_group)
         if inst.session is not None and inst.session.physical.physical_of(last_stage) is None:
             return None
-        dist.broadcast(value, src=last_stage, group=pp_group)
     return float(value.item())
 
 

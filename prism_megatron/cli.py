@@ -3,9 +3,13 @@
     prism-megatron train [--config FILE] [key=value ...] [--json PATH]   run examples/pretrain_gpt.py
     prism-megatron world [--config FILE] [key=value ...] [--rank R]      a virtual rank's coordinates/groups
     prism-megatron config [--config FILE] [key=value ...]                the resolved config, or its keys
+    prism-megatron capture [--config FILE] [key=value ...] --out DIR [--json PATH] [--workers P]
+                                                                         slice capture of the full graph
+    prism-megatron export GRAPH [--perfetto PATH --ranks R,...] [--chakra DIR --ranks R,...]
+                                                                         Perfetto / Chakra ET exports
 
-Without `--config`, `train` and `world` use the built-in default `configs/default.yaml` (one rank of a
-TP8 PP16 DP64 job of 8192 ranks). Bad input prints one line and exits with status 2.
+Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
+(one rank of a TP8 PP16 DP64 job of 8192 ranks). Bad input prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import importlib.util
 import json
 import signal
 import sys
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Optional
@@ -32,12 +37,27 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a GPT as one rank of the virtual world"),
                        ("world", "show a virtual rank's coordinates, role and groups"),
-                       ("config", "print the resolved config (--keys: every key with its doc)")):
+                       ("config", "print the resolved config (--keys: every key with its doc)"),
+                       ("capture", "capture the full-scale execution graph by running roles as slices"),
+                       ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
+        if name == "export":
+            cmd.add_argument("graph", help="graph file written by `capture`")
+            cmd.add_argument("--ranks", default="0", help="virtual ranks to export, e.g. 0,4711")
+            cmd.add_argument("--perfetto", default=None, help="write a Chrome-trace JSON here")
+            cmd.add_argument("--chakra", default=None, help="write Chakra ET files (one per rank) here")
+            continue
         cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                          help="config overrides, e.g. model=tiny_moe parallel.tp=2")
         cmd.add_argument("--config", default=None, help="YAML config file (default: configs/default.yaml)")
+        if name == "capture":
+            cmd.add_argument("--out", required=True, help="directory for the slices and graph.prism")
+            cmd.add_argument("--json", default=None, help="write the capture summary JSON here")
+            cmd.add_argument("--workers", type=int, default=None,
+                             help="slices at once (default: the GPUs present, else 2)")
+            cmd.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                             help="where slices run (default: train.device)")
         if name == "train":
             cmd.add_argument("--json", default=None, help="write the run summary JSON here")
         if name == "world":
@@ -114,15 +134,77 @@ def _cmd_config(args) -> int:
     return 0
 
 
+def _cmd_capture(args) -> int:
+    from prism_megatron.capture.run import Capture, CaptureFailed, write_summary
+    from prism_megatron.graph.check import GraphFileError
+
+    # The capture chooses the ranks it runs: a config's sandbox ranks do not apply.
+    cfg = load_config(["emulation.sandbox_ranks=[]", *args.overrides], _config_file(args.config))
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: expected 1 or more slices at once")
+    try:
+        result = Capture(cfg, args.out, workers=args.workers, device=args.device).run()
+    except GraphFileError as err:  # the merged graph is inconsistent: not the user's input
+        raise CaptureFailed(str(err)) from None
+    write_summary(result, args.json)
+    print(f"captured {len(result.roles_captured)} of {result.roles_total} roles in "
+          f"{result.slices_run} slices ({result.slices_reused} reused, {result.retries} retried); "
+          f"{len(result.roles_inferred)} inferred from verified symmetric roles")
+    for c in result.classes:
+        verdict = "symmetric" if c["symmetric"] else "NOT symmetric: all captured"
+        print(f"  class {c['key']:>20}: {c['roles']:4d} roles, probes {', '.join(c['probes'])}: {verdict}")
+    print(f"graph: {result.graph_path} ({result.graph_bytes / 1024:.1f} KiB), wall {result.wall_s:.1f} s")
+    return 0
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--ranks {text!r}: expected comma-separated virtual ranks, e.g. 0,4711") from None
+
+
+def _cmd_export(args) -> int:
+    from prism_megatron.graph import load_graph
+    from prism_megatron.graph.chakra import write_chakra
+    from prism_megatron.graph.perfetto import write_chrome_trace
+
+    if not (args.perfetto or args.chakra):
+        raise ConfigError("nothing to export: give --perfetto PATH and/or --chakra DIR")
+    ranks = _ranks(args.ranks)
+    graph = load_graph(args.graph)
+    bad = [r for r in ranks if not 0 <= r < graph.world.world_size]
+    if bad:
+        raise ConfigError(f"--ranks {bad} outside the virtual world of {graph.world.world_size}; "
+                          f"choose ranks in 0..{graph.world.world_size - 1}")
+    if args.perfetto:
+        write_chrome_trace(graph, ranks, args.perfetto)
+        print(f"perfetto: {args.perfetto}")
+    if args.chakra:
+        for path in write_chakra(graph, ranks, args.chakra):
+            print(f"chakra: {path}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    # megatron-core warns on import that TE/Apex are absent; the local fallbacks are what we use.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     if hasattr(signal, "SIGPIPE"):  # `prism-megatron config --keys | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = _parser().parse_args(argv)
+    from prism_megatron.capture.run import CaptureFailed
+    from prism_megatron.graph.check import GraphFileError
+
+    commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
+                "capture": _cmd_capture, "export": _cmd_export}
     try:
-        return {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config}[args.command](args)
-    except ConfigError as err:
+        return commands[args.command](args)
+    except (ConfigError, GraphFileError) as err:
         print(f"prism-megatron: error: {err}", file=sys.stderr)
         return 2
+    except CaptureFailed as err:
+        print(f"prism-megatron: capture failed: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

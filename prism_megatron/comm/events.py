@@ -1,7 +1,9 @@
 """Every operation the prism backend executes, as an event; and the per-(op, dim) counters.
 
 `CommEvent` is what later stages (the recorder, the ghost oracle) subscribe to through
-`CommLog.listeners`. Bytes follow nccl-tests' "size" convention: the local buffer of the operation
+`CommLog.listeners` (called when an operation begins) and `CommLog.issue_listeners` (called with
+the `Work` the backend returns for it, so that a later `wait()` on that work can be attributed).
+Bytes follow nccl-tests' "size" convention: the local buffer of the operation
 (all_reduce/broadcast/reduce: the tensor; all_gather/gather: the full output; reduce_scatter/scatter:
 the full input; all_to_all: the local input; send/recv: the tensor).
 """
@@ -41,6 +43,7 @@ class CommLog:
     """Counts calls and bytes per (op, dim) and forwards each event to `listeners`."""
 
     listeners: list[Callable[[CommEvent], None]] = field(default_factory=list)
+    issue_listeners: list[Callable[[object], None]] = field(default_factory=list)
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -52,6 +55,11 @@ class CommLog:
             self.bytes[key] += event.nbytes
         for listener in self.listeners:
             listener(event)
+
+    def issued(self, work: object) -> None:
+        """The operation begun last on this thread returned `work` (a completed one if synchronous)."""
+        for listener in self.issue_listeners:
+            listener(work)
 
     @property
     def total_calls(self) -> int:

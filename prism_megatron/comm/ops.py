@@ -23,13 +23,17 @@ def operation(method):
     torch's own collectives reach a backend as dispatched c10d ops, whose internals no Python
     dispatch mode sees; calling the inner backend directly from here would let a mode (such as the
     CPU memory tracker) see gloo's internal scratch tensors, which a plain run never shows. The
-    ghost fills are in place, so nothing a real rank would allocate is hidden.
+    ghost fills are in place, so nothing a real rank would allocate is hidden. The returned `Work` is
+    announced to the session's log (`CommLog.issued`), which is how the recorder learns that an
+    operation's host-side part is over and which work a later `wait()` completes.
     """
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with torch.no_grad(), _suspended_dispatch_modes():
-            return method(self, *args, **kwargs)
+            work = method(self, *args, **kwargs)
+        self.session.log.issued(work)
+        return work
 
     return run
 

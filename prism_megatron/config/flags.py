@@ -22,11 +22,14 @@ from prism_megatron.config.schema import (
     ModelConfig,
     ParallelConfig,
     PrismConfig,
+    TraceConfig,
     TrainConfig,
 )
 
 # --prism-<name> -> emulation.<field>; help comes from the field docstring.
 PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_seed", "gpus_per_node")
+# --prism-trace-<name> -> trace.<field>
+TRACE_FLAGS = {"path": str, "granularity": str, "iteration": int}
 
 # Megatron-LM flag -> config key. Booleans are store_true flags.
 MEGATRON_FLAGS: dict[str, str] = {
@@ -55,7 +58,7 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--overlap-grad-reduce": "train.overlap_grad_reduce",
 }
 _SECTIONS = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
-             "train": TrainConfig}
+             "train": TrainConfig, "trace": TraceConfig}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -95,6 +98,9 @@ def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             group.add_argument(flag, type=int if name != "ghost_policy" else str, default=None,
                                help=doc)
+    for name, kind in TRACE_FLAGS.items():
+        group.add_argument("--prism-trace-" + name, type=kind, default=None,
+                           help=_field(f"trace.{name}")[1])
     group.add_argument("--prism-config", default=None,
                        help="YAML config file (same keys as `prism-megatron config`); flags win over it")
     group.add_argument("--prism-override", nargs="*", default=[], metavar="KEY=VALUE",
@@ -129,6 +135,10 @@ def config_from_args(args: argparse.Namespace, config_file: Optional[str] = None
         if value is not None:
             rendered = "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else value
             overrides.append(f"emulation.{name}={rendered}")
+    for name in TRACE_FLAGS:
+        value = getattr(args, f"prism_trace_{name}", None)
+        if value is not None:
+            overrides.append(f"trace.{name}={value}")
     for flag, key in MEGATRON_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:

@@ -17,6 +17,7 @@ from typing import List, Optional
 GHOST_POLICIES = ("mirror", "zeros", "random")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
+GRANULARITIES = ("module", "aten")
 
 
 class ConfigError(ValueError):
@@ -198,6 +199,28 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class TraceConfig:
+    """Recording this rank's execution graph (a slice of `prism-megatron capture`, or any run)."""
+
+    path: Optional[str] = None
+    """Write this rank's role graph here at the end of the run (None: do not record)."""
+
+    granularity: str = "module"
+    """Compute nodes per module-level op (module) or per aten op inside each module (aten)."""
+
+    iteration: int = -1
+    """Training iteration (1-based) that becomes the graph; -1: the last. Memory peaks span the run."""
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ConfigError(f"trace.granularity={self.granularity!r}; expected one of "
+                              f"{', '.join(GRANULARITIES)}")
+        if self.iteration == 0 or not isinstance(self.iteration, int) or self.iteration < -1:
+            raise ConfigError(f"trace.iteration={self.iteration!r}: expected an iteration number "
+                              ">= 1, or -1 for the last")
+
+
+@dataclass(kw_only=True)
 class PrismConfig:
     """Everything one run needs; cross-component checks live here."""
 
@@ -205,6 +228,7 @@ class PrismConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
         self.check_world(self.emulation.virtual_world_size)
@@ -226,6 +250,9 @@ class PrismConfig:
         if m.num_experts is None and p.ep > 1:
             raise ConfigError(f"parallel.ep={p.ep} needs an MoE model; set model.num_experts "
                               "(or model=tiny_moe)")
+        if self.trace.iteration > self.train.iters:
+            raise ConfigError(f"trace.iteration={self.trace.iteration} but train.iters="
+                              f"{self.train.iters}; record an iteration that runs, or -1 for the last")
         if world_size is None:
             return
         from prism_megatron.world import (

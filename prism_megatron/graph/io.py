@@ -1,8 +1,11 @@
 """The graph file: one compressed zip, versioned, checksummed, written atomically, loaded without pickle.
 
-Layout: `header.json` (schema version, the world's parameters, the string table, each role's
-metadata, and the sha256 of every array) plus one `.npy` entry per array (`roles/<i>/<column>.npy`),
-read back with `allow_pickle=False`. `load_graph` rejects, with one `GraphFileError` line each: a file
+Layout: `header.json` (schema version, the world's parameters, the string table, each distinct graph's
+metadata with the sha256 of every array, and each role's entry naming its graph) plus one `.npy`
+entry per array (`graphs/<i>/<array>.npy`), read back with `allow_pickle=False`. Roles inferred from a
+verified-symmetric role share its graph: stored once, loaded once.
+
+`load_graph` rejects, with one `GraphFileError` line each: a file
 that is not a readable zip (truncated or corrupted), a missing or foreign header, another schema
 version, an array whose checksum or length disagrees with the header, a dependency on a later node
 (not a DAG), a world whose roles are not all present, and collectives that do not match across the
@@ -24,7 +27,9 @@ import numpy as np
 from prism_megatron.graph.check import GraphFileError, check_graph
 from prism_megatron.graph.model import (
     COLUMNS,
+    MOE_COLUMNS,
     SCHEMA_VERSION,
+    SPAN_COLUMNS,
     ExecutionGraph,
     RoleGraph,
 )
@@ -32,12 +37,17 @@ from prism_megatron.world import Role, VirtualWorld
 
 FORMAT = "prism-execution-graph"
 _WORLD_FIELDS = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "order", "gpus_per_node")
-_EXTRA_ARRAYS = ("dep_ptr", "dep_idx", "mem_t_s", "mem_bytes")
+_EXTRA_ARRAYS = ("dep_ptr", "dep_idx", "mem_t_s", "mem_bytes", "moe_ptr", "moe_tokens")
+_ARRAY_NAMES = (*COLUMNS, *_EXTRA_ARRAYS, *(f"span_{n}" for n in SPAN_COLUMNS),
+                *(f"moe_{n}" for n in MOE_COLUMNS))
+_GRAPH_FIELDS = ("peak_bytes", "peak_by_category", "peak_reserved_bytes", "memory_source")
 
 
 def _arrays(role: RoleGraph) -> dict[str, np.ndarray]:
     out = dict(role.columns)
     out.update({name: getattr(role, name) for name in _EXTRA_ARRAYS})
+    out.update({f"span_{n}": a for n, a in role.spans.items()})
+    out.update({f"moe_{n}": a for n, a in role.moe.items()})
     return out
 
 
@@ -51,18 +61,22 @@ def save_graph(graph: ExecutionGraph, path: str) -> None:
     """Write `graph` to `path` atomically (readers see the old file or the whole new one)."""
     header = {"format": FORMAT, "schema_version": SCHEMA_VERSION,
               "world": {k: getattr(graph.world, k) for k in _WORLD_FIELDS},
-              "strings": graph.strings, "meta": graph.meta, "roles": []}
+              "strings": graph.strings, "meta": graph.meta, "graphs": [], "roles": []}
     entries: dict[str, bytes] = {}
-    for i, role in enumerate(graph.roles.values()):
-        checksums = {}
-        for name, array in _arrays(role).items():
-            data = _npy_bytes(array)
-            entries[f"roles/{i}/{name}.npy"] = data
-            checksums[name] = hashlib.sha256(data).hexdigest()
+    stored: dict[int, int] = {}  # id(dep_ptr) -> graph index: roles sharing arrays share the entry
+    for role in graph.roles.values():
+        index = stored.get(id(role.dep_ptr))
+        if index is None:
+            index = stored[id(role.dep_ptr)] = len(header["graphs"])
+            checksums = {}
+            for name, array in _arrays(role).items():
+                data = _npy_bytes(array)
+                entries[f"graphs/{index}/{name}.npy"] = data
+                checksums[name] = hashlib.sha256(data).hexdigest()
+            header["graphs"].append({"num_nodes": role.num_nodes, "sha256": checksums,
+                                     **{k: getattr(role, k) for k in _GRAPH_FIELDS}})
         header["roles"].append({"role": asdict(role.role), "representative": role.representative,
-                                "source": role.source, "num_nodes": role.num_nodes,
-                                "peak_bytes": role.peak_bytes,
-                                "peak_by_category": role.peak_by_category, "sha256": checksums})
+                                "source": role.source, "graph": index})
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-graph-", dir=directory)
@@ -115,26 +129,36 @@ def _read(zf: zipfile.ZipFile, header: dict, path: str) -> ExecutionGraph:
         world = VirtualWorld(**header["world"])
     except (TypeError, ValueError) as err:
         raise GraphFileError(f"{path}: the world in the header is invalid: {err}") from None
+    graphs = [_read_graph(zf, i, meta, path) for i, meta in enumerate(header["graphs"])]
     roles: dict[Role, RoleGraph] = {}
-    for i, meta in enumerate(header["roles"]):
-        arrays = {}
-        for name in (*COLUMNS, *_EXTRA_ARRAYS):
-            entry = f"roles/{i}/{name}.npy"
-            try:
-                data = zf.read(entry)
-            except KeyError:
-                raise GraphFileError(f"{path}: {entry} is missing; the file is incomplete") from None
-            if hashlib.sha256(data).hexdigest() != meta["sha256"].get(name):
-                raise GraphFileError(f"{path}: checksum mismatch in {entry}; the file is corrupted")
-            arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
-        n = meta["num_nodes"]
-        if len(arrays["dep_ptr"]) != n + 1 or any(len(arrays[c]) != n for c in COLUMNS):
-            raise GraphFileError(f"{path}: role {i} has columns of the wrong length for {n} nodes")
-        role = Role(**meta["role"])
-        roles[role] = RoleGraph(
-            role=role, representative=meta["representative"], source=meta["source"],
-            columns={c: arrays[c] for c in COLUMNS},
-            **{name: arrays[name] for name in _EXTRA_ARRAYS},
-            peak_bytes=meta["peak_bytes"], peak_by_category=meta["peak_by_category"])
+    for entry in header["roles"]:
+        try:
+            role, base = Role(**entry["role"]), graphs[entry["graph"]]
+        except (TypeError, IndexError, KeyError) as err:
+            raise GraphFileError(f"{path}: a role entry is malformed ({err}); the file is damaged") from None
+        roles[role] = base.as_role(role, entry["representative"], entry["source"])
     return ExecutionGraph(world=world, roles=roles, strings=header["strings"],
                           meta=header.get("meta", {}))
+
+
+def _read_graph(zf: zipfile.ZipFile, i: int, meta: dict, path: str) -> RoleGraph:
+    arrays = {}
+    for name in _ARRAY_NAMES:
+        entry = f"graphs/{i}/{name}.npy"
+        try:
+            data = zf.read(entry)
+        except KeyError:
+            raise GraphFileError(f"{path}: {entry} is missing; the file is incomplete") from None
+        if hashlib.sha256(data).hexdigest() != meta["sha256"].get(name):
+            raise GraphFileError(f"{path}: checksum mismatch in {entry}; the file is corrupted")
+        arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
+    n = meta["num_nodes"]
+    if len(arrays["dep_ptr"]) != n + 1 or any(len(arrays[c]) != n for c in COLUMNS):
+        raise GraphFileError(f"{path}: graph {i} has columns of the wrong length for {n} nodes")
+    return RoleGraph(
+        role=Role(pp=0, tp=0, cp=0, ep=0, etp=0), representative=-1,
+        columns={c: arrays[c] for c in COLUMNS},
+        **{name: arrays[name] for name in _EXTRA_ARRAYS},
+        spans={n: arrays[f"span_{n}"] for n in SPAN_COLUMNS},
+        moe={n: arrays[f"moe_{n}"] for n in MOE_COLUMNS},
+        **{k: meta[k] for k in _GRAPH_FIELDS})

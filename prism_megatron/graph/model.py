@@ -11,14 +11,20 @@ per-node Python objects, and replays fast:
 - communication nodes carry op, group dim, bytes, dtype, their sequence number on the group, and for
   p2p the peer as an offset of its index along the dim (`peer_delta`), which is what is the same for
   every rank of the role (pipeline: -1 for the previous stage, +1 for the next);
-- memory is the allocated-bytes timeline with its peak and the breakdown at the peak.
+- memory is the allocated-bytes timeline with its peak and the breakdown at the peak;
+- pipeline spans mark each forward/backward of each microbatch (and virtual stage) as a node range;
+- MoE records hold the tokens routed to each local expert per layer and microbatch.
 
-Strings (op names, streams, dims, dtypes) live in one table per graph; columns hold their indices.
+Strings (op names, streams, dims, dtypes, span names) live in one table per ExecutionGraph; columns
+hold their indices. `structure_hash` digests everything but the timings: two ranks whose hashes are
+equal run the same program (ops, groups, bytes, dependencies, memory), which is how the capture
+verifies that roles believed symmetric are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Optional, Sequence
 
@@ -26,13 +32,23 @@ import numpy as np
 
 from prism_megatron.world import Role, VirtualWorld
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 NO_PEER = np.iinfo(np.int32).min
 
 COLUMNS: dict[str, str] = {  # name -> numpy dtype, one entry per node
     "kind": "u1", "name": "i4", "stream": "i4", "start_s": "f8", "duration_s": "f8",
     "op": "i4", "dim": "i4", "nbytes": "i8", "dtype": "i4", "seq": "i8", "peer_delta": "i4",
 }
+
+SPAN_COLUMNS: dict[str, str] = {  # one entry per pipeline span (forward/backward of a microbatch)
+    "name": "i4", "microbatch": "i4", "chunk": "i4", "first": "i4", "last": "i4",
+    "start_s": "f8", "end_s": "f8",
+}
+MOE_COLUMNS: dict[str, str] = {  # one entry per (MoE layer, microbatch); tokens flat, CSR by ptr
+    "layer": "i4", "microbatch": "i4", "chunk": "i4",
+}
+STRING_COLUMNS = ("name", "stream", "op", "dim", "dtype")
+_TIMING = ("start_s", "duration_s")
 
 
 class NodeKind(IntEnum):
@@ -56,6 +72,15 @@ class RoleGraph:
     mem_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="i8"))
     peak_bytes: int = 0
     peak_by_category: dict[str, int] = field(default_factory=dict)
+    peak_reserved_bytes: int = 0
+    """GPU: the caching allocator's peak reserved bytes; CPU (exact tracker): equal to peak_bytes."""
+    memory_source: str = "tracker"
+    """`tracker` (CPU, exact per-storage accounting) or `cuda-allocator` (GPU statistics; the
+    category breakdown is then params/grads/optimizer state by size and the rest as activations)."""
+    spans: dict[str, np.ndarray] = field(default_factory=lambda: _empty(SPAN_COLUMNS))
+    moe: dict[str, np.ndarray] = field(default_factory=lambda: _empty(MOE_COLUMNS))
+    moe_ptr: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype="i8"))
+    moe_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="i8"))
 
     @property
     def num_nodes(self) -> int:
@@ -63,6 +88,49 @@ class RoleGraph:
 
     def deps(self, node: int) -> np.ndarray:
         return self.dep_idx[self.dep_ptr[node]:self.dep_ptr[node + 1]]
+
+    def as_role(self, role: Role, representative: int, source: str) -> RoleGraph:
+        """This graph reused for another role (arrays shared, not copied)."""
+        return replace(self, role=role, representative=representative, source=source)
+
+    def remap_strings(self, mapping: np.ndarray) -> RoleGraph:
+        """A copy whose string columns go through `mapping` (old index -> new index; -1 stays)."""
+        def go(column: np.ndarray) -> np.ndarray:
+            return np.where(column >= 0, mapping[np.maximum(column, 0)], -1).astype(column.dtype)
+
+        columns = {n: go(c) if n in STRING_COLUMNS else c for n, c in self.columns.items()}
+        spans = dict(self.spans, name=go(self.spans["name"]))
+        return replace(self, columns=columns, spans=spans)
+
+
+def _empty(spec: dict[str, str]) -> dict[str, np.ndarray]:
+    return {name: np.zeros(0, dtype=dtype) for name, dtype in spec.items()}
+
+
+def structure_hash(g: RoleGraph, strings: Sequence[str]) -> str:
+    """sha256 of what the role does, without its timings: nodes (strings resolved), dependencies,
+    memory peak and breakdown, pipeline spans and MoE token counts."""
+    h = hashlib.sha256()
+
+    def text(column: np.ndarray) -> bytes:
+        return "\x1f".join(strings[i] if i >= 0 else "" for i in column.tolist()).encode()
+
+    for name in sorted(g.columns):
+        if name in _TIMING:
+            continue
+        h.update(name.encode())
+        h.update(text(g.columns[name]) if name in STRING_COLUMNS else g.columns[name].tobytes())
+    h.update(g.dep_ptr.tobytes())
+    h.update(g.dep_idx.tobytes())
+    h.update(repr((g.peak_bytes, sorted(g.peak_by_category.items()))).encode())
+    for name in sorted(g.spans):
+        if name not in ("start_s", "end_s"):
+            h.update(text(g.spans[name]) if name == "name" else g.spans[name].tobytes())
+    for name in sorted(g.moe):
+        h.update(g.moe[name].tobytes())
+    h.update(g.moe_ptr.tobytes())
+    h.update(g.moe_tokens.tobytes())
+    return h.hexdigest()
 
 
 @dataclass(kw_only=True)
@@ -106,6 +174,10 @@ class RoleGraphBuilder:
         self._rows: dict[str, list] = {name: [] for name in COLUMNS}
         self._deps: list[int] = []
         self._dep_ptr: list[int] = [0]
+        self._spans: dict[str, list] = {name: [] for name in SPAN_COLUMNS}
+        self._moe: dict[str, list] = {name: [] for name in MOE_COLUMNS}
+        self._moe_ptr: list[int] = [0]
+        self._moe_tokens: list[int] = []
 
     def _add(self, deps: Sequence[int], **values) -> int:
         node = len(self._dep_ptr) - 1
@@ -133,13 +205,40 @@ class RoleGraphBuilder:
                          duration_s=duration_s, op=s(op), dim=s(dim), nbytes=nbytes, dtype=s(dtype),
                          seq=seq, peer_delta=NO_PEER if peer_delta is None else peer_delta)
 
+    def span(self, name: str, *, microbatch: int, chunk: int, first: int, last: int,
+             start_s: float, end_s: float) -> None:
+        """Mark nodes first..last (inclusive) as one forward/backward of a microbatch."""
+        row = {"name": self.strings(name), "microbatch": microbatch, "chunk": chunk, "first": first,
+               "last": last, "start_s": start_s, "end_s": end_s}
+        for key, value in row.items():
+            self._spans[key].append(value)
+
+    def moe(self, *, layer: int, microbatch: int, chunk: int, tokens: Sequence[int]) -> None:
+        """Tokens routed to each local expert of MoE layer `layer` in one microbatch."""
+        self._moe["layer"].append(layer)
+        self._moe["microbatch"].append(microbatch)
+        self._moe["chunk"].append(chunk)
+        self._moe_tokens.extend(int(t) for t in tokens)
+        self._moe_ptr.append(len(self._moe_tokens))
+
     def build(self, *, mem_t_s: Sequence[float] = (), mem_bytes: Sequence[int] = (),
-              peak_by_category: Optional[dict[str, int]] = None, source: str = "captured") -> RoleGraph:
+              peak_by_category: Optional[dict[str, int]] = None, source: str = "captured",
+              peak_bytes: Optional[int] = None, peak_reserved_bytes: Optional[int] = None,
+              memory_source: str = "tracker") -> RoleGraph:
+        """The RoleGraph; `peak_bytes` defaults to the timeline's maximum (pass the run's peak when
+        the timeline covers only the recorded iteration)."""
         mem_b = np.asarray(mem_bytes, dtype="i8")
+        if peak_bytes is None:
+            peak_bytes = int(mem_b.max()) if len(mem_b) else 0
         return RoleGraph(
             role=self.role, representative=self.representative, source=source,
             columns={n: np.asarray(v, dtype=COLUMNS[n]) for n, v in self._rows.items()},
             dep_ptr=np.asarray(self._dep_ptr, dtype="i8"), dep_idx=np.asarray(self._deps, dtype="i4"),
-            mem_t_s=np.asarray(mem_t_s, dtype="f8"), mem_bytes=mem_b,
-            peak_bytes=int(mem_b.max()) if len(mem_b) else 0,
-            peak_by_category=dict(peak_by_category or {}))
+            mem_t_s=np.asarray(mem_t_s, dtype="f8"), mem_bytes=mem_b, peak_bytes=int(peak_bytes),
+            peak_by_category=dict(peak_by_category or {}),
+            peak_reserved_bytes=int(peak_bytes if peak_reserved_bytes is None else peak_reserved_bytes),
+            memory_source=memory_source,
+            spans={n: np.asarray(v, dtype=SPAN_COLUMNS[n]) for n, v in self._spans.items()},
+            moe={n: np.asarray(v, dtype=MOE_COLUMNS[n]) for n, v in self._moe.items()},
+            moe_ptr=np.asarray(self._moe_ptr, dtype="i8"),
+            moe_tokens=np.asarray(self._moe_tokens, dtype="i8"))

@@ -5,8 +5,15 @@ It wraps, and `Installation.uninstall()` restores:
 - torch.distributed `init_process_group`, `new_group`, `broadcast_object_list` (hooks/torch_dist.py),
   when `emulation.virtual_world_size` is set;
 - megatron-core `initialize_model_parallel` (hooks/megatron.py), which builds the VirtualWorld;
-- megatron-core's pipeline `forward_step`/`backward_step`, only to tell the memory tracker which phase
-  allocates (activations vs temporaries);
+- megatron-core's pipeline `forward_step`/`backward_step`/`get_forward_backward_func`
+  (hooks/schedules.py): the memory tracker's phase, the recorder's spans and iterations;
+- megatron-core's `DistributedDataParallel.__init__` and `get_megatron_optimizer`, so that the memory
+  tracker knows parameters, gradients and optimizer state without a line in the training script,
+  and the recorder labels the model's module-level ops;
+- with `trace.path` set, the recorder (trace/): framework labels, `Work.wait`, the backend's log; the
+  role graph is written at `dist.destroy_process_group()` or `uninstall()`, whichever comes first. A
+  plain run with a trace path is recorded as a virtual world of its own size (no ghosts: the same
+  data and memory, as tests/test_training.py checks);
 - megatron-core's local specs without Transformer Engine (runtime/local_specs.py), on any device;
 - on CPU, the CPU runtime (runtime/cpu.py).
 
@@ -17,6 +24,7 @@ script runs as launched, which is the plain baseline the emulation is compared w
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,6 +35,7 @@ from prism_megatron.comm.backend import register_prism_backend
 from prism_megatron.comm.session import VirtualSession
 from prism_megatron.config.schema import PrismConfig
 from prism_megatron.hooks.megatron import make_initialize_model_parallel
+from prism_megatron.hooks.schedules import ScheduleHooks
 from prism_megatron.hooks.torch_dist import (
     make_broadcast_object_list,
     make_init_process_group,
@@ -36,6 +45,16 @@ from prism_megatron.runtime.cpu import CpuRuntime
 from prism_megatron.runtime.local_specs import activate_local_specs
 from prism_megatron.runtime.memory import StorageTracker
 from prism_megatron.runtime.patching import PatchSet
+from prism_megatron.trace.attach import (
+    AtenLabels,
+    connect_comm,
+    label_modules,
+    optimizer_step_hooks,
+    patch_framework,
+    patch_wait,
+)
+from prism_megatron.trace.clock import CpuClock, CudaClock
+from prism_megatron.trace.recorder import Recorder
 
 
 def resolve_device(cfg: PrismConfig) -> str:
@@ -53,7 +72,14 @@ class Installation:
     device: str
     session: Optional[VirtualSession] = None
     runtime: Optional[CpuRuntime] = None
+    recorder: Optional[Recorder] = None
+    models: list = field(default_factory=list, repr=False)
+    optimizers: list = field(default_factory=list, repr=False)
+    trace_written: Optional[str] = None
+    """Path of the role graph once written."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
+    _handles: list = field(default_factory=list, repr=False)
+    _exits: list = field(default_factory=list, repr=False)
 
     @property
     def virtual(self) -> bool:
@@ -72,26 +98,51 @@ class Installation:
     def patch(self, owner: Any, name: str, value: Any) -> None:
         self._patches.patch(owner, name, value)
 
+    def write_trace(self) -> Optional[str]:
+        """Write the recorded role graph to `trace.path` (once); returns the path."""
+        if self.recorder is None or self.trace_written is not None:
+            return self.trace_written
+        from prism_megatron.trace.output import write_role_graph
+
+        self.trace_written = write_role_graph(self)
+        return self.trace_written
+
     def uninstall(self) -> None:
-        self._patches.restore()
-        if self.runtime is not None:
-            self.runtime.deactivate()
+        try:
+            self.write_trace()
+        finally:
+            for exit_ in reversed(self._exits):
+                exit_()
+            self._exits.clear()
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._patches.restore()
+            if self.runtime is not None:
+                self.runtime.deactivate()
 
 
 def install(cfg: PrismConfig) -> Installation:
     """Install the hooks for `cfg`; call before `torch.distributed.init_process_group`."""
     device = resolve_device(cfg)
+    if cfg.trace.path and cfg.emulation.virtual_world_size is None:
+        cfg.emulation.virtual_world_size = int(os.environ.get("WORLD_SIZE", "1"))
     inst = Installation(cfg=cfg, device=device)
     if device == "cpu":
         inst.runtime = CpuRuntime().activate()
     activate_local_specs(inst._patches)
-    _install_phase_markers(inst)
+    if cfg.trace.path:
+        _install_recorder(inst)
+    ScheduleHooks(inst.tracker, inst.recorder).install(inst._patches)
+    _install_model_hooks(inst)
     if not inst.virtual:
         return inst
     register_prism_backend()
 
     def on_session(session: VirtualSession) -> None:
         inst.session = session
+        if inst.recorder is not None:
+            connect_comm(inst.recorder, session)
 
     def session_of() -> Optional[VirtualSession]:
         return inst.session
@@ -101,6 +152,16 @@ def install(cfg: PrismConfig) -> Installation:
     inst.patch(dist, "new_group", make_new_group(dist.new_group, session_of))
     inst.patch(dist, "broadcast_object_list",
                make_broadcast_object_list(dist.broadcast_object_list, session_of))
+    if inst.recorder is not None:
+        destroy = dist.destroy_process_group
+
+        @functools.wraps(destroy)
+        def destroy_process_group(*args, **kwargs):
+            if not args and not kwargs.get("group"):  # the whole job ends: its graph is complete
+                inst.write_trace()
+            return destroy(*args, **kwargs)
+
+        inst.patch(dist, "destroy_process_group", destroy_process_group)
     try:
         from megatron.core import parallel_state
     except ImportError:
@@ -110,24 +171,56 @@ def install(cfg: PrismConfig) -> Installation:
     return inst
 
 
-def _install_phase_markers(inst: Installation) -> None:
-    if inst.runtime is None:
-        return
+def _install_recorder(inst: Installation) -> None:
+    if inst.device == "cuda":
+        clock = CudaClock()
+        allocated = torch.cuda.memory_allocated
+    else:
+        clock = CpuClock()
+        tracker = inst.tracker
+        allocated = lambda: tracker.allocated_bytes  # noqa: E731
+    recorder = inst.recorder = Recorder(clock, allocated)
+    patch_wait(inst._patches, recorder)
+    inst._handles += optimizer_step_hooks(recorder)
     try:
-        from megatron.core.pipeline_parallel import schedules
+        patch_framework(inst._patches, recorder)
+    except ImportError:
+        pass
+    if inst.cfg.trace.granularity == "aten":
+        mode = AtenLabels(recorder)
+        mode.__enter__()
+        inst._exits.append(lambda: mode.__exit__(None, None, None))
+
+
+def _install_model_hooks(inst: Installation) -> None:
+    """DDP construction and optimizer creation: memory categories and module labels."""
+    try:
+        from megatron.core import optimizer as moptimizer
+        from megatron.core.distributed import distributed_data_parallel as ddp_mod
     except ImportError:
         return
-    tracker = inst.runtime.tracker
-    for name, phase in (("forward_step", "forward"), ("backward_step", "backward")):
-        original = getattr(schedules, name)
+    ddp_cls = ddp_mod.DistributedDataParallel
+    ddp_init = ddp_cls.__init__
 
-        @functools.wraps(original)
-        def wrapper(*args, __original=original, __phase=phase, **kwargs):
-            previous = tracker.phase
-            tracker.set_phase(__phase)
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                tracker.set_phase(previous)
+    @functools.wraps(ddp_init)
+    def init(self, *args, **kwargs):
+        ddp_init(self, *args, **kwargs)
+        chunk = len(inst.models)
+        inst.models.append(self)
+        if inst.tracker is not None:
+            inst.tracker.register_model(self)
+        if inst.recorder is not None:
+            inst._handles += label_modules(inst.recorder, self, chunk)
 
-        inst.patch(schedules, name, wrapper)
+    inst.patch(ddp_cls, "__init__", init)
+    make_optimizer = moptimizer.get_megatron_optimizer
+
+    @functools.wraps(make_optimizer)
+    def get_megatron_optimizer(*args, **kwargs):
+        optimizer = make_optimizer(*args, **kwargs)
+        inst.optimizers.append(optimizer)
+        if inst.tracker is not None:
+            inst.tracker.register_optimizer(optimizer)
+        return optimizer
+
+    inst.patch(moptimizer, "get_megatron_optimizer", get_megatron_optimizer)

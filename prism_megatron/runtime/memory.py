@@ -107,7 +107,8 @@ def _iter_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None] | None) 
         if tensor is None:
             continue
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected tensors or None, got {type(tensor).__name__}; pass an iterable of tensors")
+            raise TypeError(f"expected tensors or None, got {type(tensor).__name__}; "
+                            "pass an iterable of tensors")
         yield tensor
 
 

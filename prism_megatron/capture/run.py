@@ -1,0 +1,325 @@
+"""`prism-megatron capture`: run each role as a slice, verify symmetries, merge the full-scale graph.
+
+A slice is the training job as one sandbox rank of the virtual world with the recorder on (one
+fresh process each, so device memory starts clean; `workers` at once, one GPU each where GPUs exist).
+Slices land in `<out>/slices/rank<R>.prism` and are kept: a rerun with the same config reuses every
+slice that loads, and runs only what is missing. A slice that fails is retried once, then reported
+(its log is kept next to it) and the capture fails without writing a graph.
+
+Order: the probes of every class first (plan.py), then, for a class whose two probes disagree, the
+rest of its roles. The merged graph is checked (DAG, every role present, collectives matching across
+roles) before it is written atomically to `<out>/graph.prism`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import yaml
+
+from prism_megatron.capture.plan import RoleClass, plan_classes
+from prism_megatron.config.loader import to_yaml
+from prism_megatron.config.schema import ConfigError, PrismConfig
+from prism_megatron.graph.check import GraphFileError, check_graph
+from prism_megatron.graph.io import load_graph, save_graph
+from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, structure_hash
+from prism_megatron.util import atomic_write_text
+from prism_megatron.world import Role, VirtualWorld
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
+
+
+class CaptureFailed(RuntimeError):
+    """A slice failed twice; the message names it and its log."""
+
+
+@dataclass
+class Slice:
+    role: Role
+    rank: int
+    path: Path
+    reused: bool = False
+    attempts: int = 0
+    wall_s: float = 0.0
+    graph: Optional[RoleGraph] = None
+    strings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CaptureResult:
+    graph_path: str
+    roles_total: int
+    slices_run: int
+    slices_reused: int
+    retries: int
+    roles_captured: list[str]
+    roles_inferred: list[str]
+    classes: list[dict]
+    wall_s: float
+    graph_bytes: int
+
+    def summary(self) -> dict:
+        return dict(self.__dict__, roles_captured=len(self.roles_captured),
+                    roles_inferred=len(self.roles_inferred),
+                    captured=self.roles_captured, inferred=self.roles_inferred)
+
+
+def world_of(cfg: PrismConfig) -> VirtualWorld:
+    p, e = cfg.parallel, cfg.emulation
+    if e.virtual_world_size is None:
+        raise ConfigError("capture needs a virtual world: set emulation.virtual_world_size=N "
+                          "(--prism-virtual-world-size N)")
+    return VirtualWorld(world_size=e.virtual_world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                        etp=p.etp, vpp=p.vpp, order=p.order, gpus_per_node=e.gpus_per_node)
+
+
+def microbatches_of(cfg: PrismConfig, world: VirtualWorld) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * world.dp)
+
+
+class _Progress:
+    def __init__(self, total: int, stream=sys.stderr) -> None:
+        self.total, self.done, self.start, self.stream = total, 0, time.perf_counter(), stream
+        self.tty = stream.isatty()
+
+    def grow(self, extra: int) -> None:
+        self.total += extra
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        width = 24
+        filled = int(width * self.done / max(self.total, 1))
+        line = (f"capture [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} slices "
+                f"| {elapsed:.0f}s elapsed, ETA {eta:.0f}s | {text}")
+        self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+class Capture:
+    """One capture of `cfg` into `out_dir` (see the module docstring)."""
+
+    def __init__(self, cfg: PrismConfig, out_dir: str, *, workers: Optional[int] = None,
+                 device: Optional[str] = None, timeout_s: float = 1800.0,
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> None:
+        self.cfg, self.out = cfg, Path(out_dir)
+        self.world = world_of(cfg)
+        self.microbatches = microbatches_of(cfg, self.world)
+        self.device = device or cfg.train.device
+        gpus = _gpu_count() if self.device in ("cuda", "auto") else 0
+        self.gpus = gpus
+        self.workers = workers or (gpus if gpus else max(1, min(2, os.cpu_count() or 1)))
+        self.timeout_s, self.log = timeout_s, log
+        job = copy.deepcopy(cfg)  # what every slice runs: only its rank and trace path differ
+        job.emulation.sandbox_ranks, job.trace.path, job.train.device = [], None, self.device
+        self.config_text = to_yaml(job)
+        self.job_key = _job_key(self.config_text)
+
+    # -- slices --------------------------------------------------------------------------------
+
+    def _prepare_dir(self) -> None:
+        (self.out / "slices").mkdir(parents=True, exist_ok=True)
+        marker = self.out / "config.yaml"
+        if marker.exists() and marker.read_text() != self.config_text:
+            raise ConfigError(f"{self.out} holds a capture of another config (see {marker}); choose "
+                              "another --out directory or delete that one")
+        atomic_write_text(str(marker), self.config_text)
+
+    def _slice(self, role: Role) -> Slice:
+        rank = self.world.representative(role)
+        return Slice(role=role, rank=rank, path=self.out / "slices" / f"rank{rank}.prism")
+
+    def _load(self, s: Slice) -> bool:
+        try:
+            g = load_graph(str(s.path), check=False)
+        except GraphFileError:
+            return False
+        if _job_key(str(g.meta.get("config", ""))) != self.job_key or s.role not in g.roles:
+            return False
+        s.graph, s.strings = g.roles[s.role], g.strings
+        return True
+
+    def _command(self, s: Slice) -> list[str]:
+        if not EXAMPLE.is_file():
+            raise ConfigError(f"{EXAMPLE} not found; capture runs the repository's example, so use a "
+                              "checkout installed with `pip install -e .`")
+        config = self.out / "config.yaml"
+        return [sys.executable, str(EXAMPLE), "--prism-config", str(config),
+                "--prism-sandbox-ranks", str(s.rank), "--prism-trace-path", str(s.path)]
+
+    def _env(self, slot: int) -> dict:
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+            env.pop(key, None)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
+        else:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _run_all(self, slices: list[Slice], progress: _Progress) -> None:
+        """Run `slices` `workers` at a time; retry a failure once; raise after a second one."""
+        queue = [s for s in slices]
+        running: dict[int, tuple[subprocess.Popen, Slice, float, object]] = {}
+        free = list(range(self.workers))
+        try:
+            while queue or running:
+                while queue and free:
+                    s, slot = queue.pop(0), free.pop(0)
+                    s.attempts += 1
+                    if s.path.exists():
+                        s.path.unlink()
+                    logf = open(s.path.with_suffix(".log"), "w")
+                    proc = subprocess.Popen(self._command(s), stdout=logf, stderr=subprocess.STDOUT,
+                                            env=self._env(slot), cwd=str(REPO))
+                    running[slot] = (proc, s, time.perf_counter(), logf)
+                time.sleep(0.05)
+                for slot, (proc, s, t0, logf) in list(running.items()):
+                    rc = proc.poll()
+                    if rc is None and time.perf_counter() - t0 > self.timeout_s:
+                        proc.kill()
+                        rc = proc.wait()
+                    if rc is None:
+                        continue
+                    logf.close()
+                    del running[slot]
+                    free.append(slot)
+                    s.wall_s += time.perf_counter() - t0
+                    if rc == 0 and self._load(s):
+                        progress.step(f"rank {s.rank} {s.role} in {s.wall_s:.1f}s")
+                    elif s.attempts < 2:
+                        self.log(f"capture: slice rank {s.rank} failed (exit {rc}); retrying once")
+                        queue.append(s)
+                    else:
+                        raise CaptureFailed(
+                            f"slice rank {s.rank} ({s.role}) failed twice (exit {rc}); see "
+                            f"{s.path.with_suffix('.log')}")
+        finally:
+            for proc, _, _, logf in running.values():
+                proc.kill()
+                proc.wait()
+                logf.close()
+
+    # -- the capture ---------------------------------------------------------------------------
+
+    def run(self) -> CaptureResult:
+        start = time.perf_counter()
+        self._prepare_dir()
+        classes = plan_classes(self.world, self.microbatches)
+        slices: dict[Role, Slice] = {}
+
+        def want(roles) -> list[Slice]:
+            fresh = []
+            for role in roles:
+                if role in slices:
+                    continue
+                s = slices[role] = self._slice(role)
+                if self._load(s):
+                    s.reused = True
+                else:
+                    fresh.append(s)
+            return fresh
+
+        todo = want([r for c in classes for r in c.probes])
+        progress = _Progress(len(todo))
+        self._run_all(todo, progress)
+        verdicts = {}
+        for c in classes:
+            verdicts[c.key] = self._verify(c, slices)
+        rest = want([r for c in classes if not verdicts[c.key] for r in c.roles])
+        if rest:
+            progress.grow(len(rest))
+            self._run_all(rest, progress)
+        progress.close()
+        graph, inferred = self._merge(classes, slices, verdicts)
+        check_graph(graph, str(self.out / "graph.prism"))
+        path = str(self.out / "graph.prism")
+        save_graph(graph, path)
+        captured = [s for s in slices.values() if s.graph is not None]
+        return CaptureResult(
+            graph_path=path, roles_total=len(self.world.roles()),
+            slices_run=sum(1 for s in captured if not s.reused),
+            slices_reused=sum(1 for s in captured if s.reused),
+            retries=sum(max(0, s.attempts - 1) for s in captured),
+            roles_captured=[str(s.role) for s in captured], roles_inferred=inferred,
+            classes=[{"key": c.key, "roles": len(c.roles), "probes": [str(r) for r in c.probes],
+                      "symmetric": verdicts[c.key]} for c in classes],
+            wall_s=round(time.perf_counter() - start, 3), graph_bytes=os.path.getsize(path))
+
+    def _hash(self, s: Slice) -> str:
+        return structure_hash(s.graph, s.strings)
+
+    def _verify(self, c: RoleClass, slices: dict[Role, Slice]) -> bool:
+        if len(c.roles) == 1:
+            return True
+        a, b = (slices[r] for r in c.probes)
+        same = self._hash(a) == self._hash(b)
+        if not same:
+            self.log(f"capture: class {c.key}: {a.role} and {b.role} differ; capturing all "
+                     f"{len(c.roles)} roles of it")
+        return same
+
+    def _merge(self, classes: list[RoleClass], slices: dict[Role, Slice],
+               verdicts: dict[str, bool]) -> tuple[ExecutionGraph, list[str]]:
+        table = StringTable()
+        remapped: dict[Role, RoleGraph] = {}
+        for role, s in slices.items():
+            if s.graph is not None:
+                mapping = np.asarray([table(x) for x in s.strings], dtype="i4")
+                remapped[role] = s.graph.remap_strings(mapping)
+        roles: dict[Role, RoleGraph] = {}
+        inferred: list[str] = []
+        for c in classes:
+            source = remapped[c.probes[0]]
+            for role in c.roles:
+                if role in remapped:
+                    roles[role] = remapped[role]
+                elif verdicts[c.key]:
+                    roles[role] = source.as_role(role, self.world.representative(role),
+                                                 f"inferred:{c.probes[0]}")
+                    inferred.append(str(role))
+        meta = {"config": self.config_text, "microbatches": self.microbatches,
+                "classes": {c.key: [str(r) for r in c.probes] for c in classes},
+                "device": self.device}
+        ordered = {r: roles[r] for r in self.world.roles()}
+        return ExecutionGraph(world=self.world, roles=ordered, strings=table.strings, meta=meta), inferred
+
+
+def _job_key(config_yaml: str) -> Optional[dict]:
+    """A slice's config without what differs between slices (its rank, its trace path)."""
+    try:
+        data = yaml.safe_load(config_yaml)
+        data["emulation"].pop("sandbox_ranks", None)
+        data["trace"].pop("path", None)
+    except (yaml.YAMLError, TypeError, KeyError, AttributeError):
+        return None
+    return data
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def write_summary(result: CaptureResult, path: Optional[str]) -> None:
+    if path:
+        atomic_write_text(path, json.dumps(result.summary(), indent=1))

@@ -1,0 +1,119 @@
+"""The pipeline-schedule hook: megatron-core's `forward_step`, `backward_step` and
+`get_forward_backward_func`, the functions every schedule (no pipelining, 1F1B, interleaved) passes
+through.
+
+- The memory tracker learns the phase (forward allocations are activations, the rest temporaries).
+- The recorder, when there is one, gets one span per forward and per backward of each microbatch and
+  model chunk (virtual stage), and an iteration mark each time the forward-backward function runs.
+  The backward of a microbatch is matched to its forward by the output tensor the schedule hands back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from prism_megatron.runtime.memory import StorageTracker
+from prism_megatron.runtime.patching import PatchSet
+from prism_megatron.trace.recorder import Recorder
+
+
+def _first_tensor(value: Any) -> Any:
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return value
+
+
+class ScheduleHooks:
+    """State shared by the wrapped schedule functions of one installation."""
+
+    def __init__(self, tracker: Optional[StorageTracker], recorder: Optional[Recorder]) -> None:
+        self.tracker, self.recorder = tracker, recorder
+        self._forwards: dict[int, int] = {}     # chunk -> forwards seen this iteration
+        self._backwards: dict[int, int] = {}
+        self._by_output: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (microbatch, chunk)
+
+    def install(self, patches: PatchSet) -> None:
+        try:
+            from megatron.core import pipeline_parallel
+            from megatron.core.pipeline_parallel import schedules
+        except ImportError:
+            return
+        patches.patch(schedules, "forward_step", self._wrap_forward(schedules.forward_step))
+        patches.patch(schedules, "backward_step", self._wrap_backward(schedules.backward_step))
+        if self.recorder is not None:
+            getter = self._wrap_getter(schedules.get_forward_backward_func)
+            patches.patch(schedules, "get_forward_backward_func", getter)
+            patches.patch(pipeline_parallel, "get_forward_backward_func", getter)
+
+    def _phase(self, phase: Optional[str]) -> Optional[str]:
+        if self.tracker is None:
+            return None
+        previous = self.tracker.phase
+        self.tracker.set_phase(phase)
+        return previous
+
+    def _wrap_forward(self, original):
+        @functools.wraps(original)
+        def forward_step(*args, **kwargs):
+            chunk = kwargs.get("vp_stage") or 0
+            microbatch = kwargs.get("current_microbatch")
+            if microbatch is None:
+                microbatch = self._forwards.get(chunk, 0)
+            self._forwards[chunk] = self._forwards.get(chunk, 0) + 1
+            previous = self._phase("forward")
+            if self.recorder is not None:
+                self.recorder.span_begin("forward", microbatch, chunk)
+            try:
+                result = original(*args, **kwargs)
+                output = _first_tensor(result[0]) if isinstance(result, tuple) else None
+                if output is not None:
+                    self._by_output[id(output)] = (microbatch, chunk)
+                return result
+            finally:
+                if self.recorder is not None:
+                    self.recorder.span_end()
+                self._phase(previous)
+
+        return forward_step
+
+    def _wrap_backward(self, original):
+        @functools.wraps(original)
+        def backward_step(*args, **kwargs):
+            output = _first_tensor(args[1] if len(args) > 1 else kwargs.get("output_tensor"))
+            microbatch, chunk = self._by_output.pop(id(output), (None, 0))
+            if microbatch is None:
+                microbatch = self._backwards.get(chunk, 0)
+            self._backwards[chunk] = self._backwards.get(chunk, 0) + 1
+            previous = self._phase("backward")
+            if self.recorder is not None:
+                self.recorder.span_begin("backward", microbatch, chunk)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.recorder is not None:
+                    self.recorder.span_end()
+                self._phase(previous)
+
+        return backward_step
+
+    def _wrap_getter(self, original):
+        @functools.wraps(original)
+        def get_forward_backward_func(*args, **kwargs):
+            schedule = original(*args, **kwargs)
+
+            @functools.wraps(schedule)
+            def forward_backward(*a, **k):
+                self._forwards.clear()
+                self._backwards.clear()
+                self._by_output.clear()
+                self.recorder.begin_iteration()
+                self.recorder.enter("forward_backward")
+                try:
+                    return schedule(*a, **k)
+                finally:
+                    self.recorder.exit()
+
+            return forward_backward
+
+        return get_forward_backward_func

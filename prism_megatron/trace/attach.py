@@ -1,0 +1,208 @@
+"""Attaching a Recorder to a running megatron-core job, with no change to the training script.
+
+What is observed, and through which hook:
+
+- modules: forward pre/post hooks on the module-level ops of every model chunk that megatron's
+  `DistributedDataParallel` wraps (embedding, each transformer layer and its norms, attention, MLP or
+  MoE layer with router and experts, final norm, output layer); their backward through a pre-hook on
+  the autograd node that produced the module's output (it runs when the backward reaches the module);
+- the loss (`LanguageModule.compute_language_model_loss`), megatron's optimizer `step` with its
+  gradient norm and clipping, the inner torch optimizer's step (global optimizer hooks), DDP's
+  grad sync and `finalize_model_grads`;
+- communication: the prism backend's log (every collective and p2p, with the Work it returned) and
+  `Work.wait` (which operation a stream waits for);
+- pipeline spans and iterations: hooks/schedules.py calls `span_begin`/`span_end` and
+  `begin_iteration`;
+- MoE: the tokens-per-expert argument of each experts module, per layer and microbatch;
+- `granularity="aten"` adds one label per aten op (a dispatch mode), for finer graphs on request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prism_megatron.comm.events import CommEvent
+from prism_megatron.runtime.patching import PatchSet
+from prism_megatron.trace.recorder import Recorder
+
+_SKIP = ("IdentityOp", "IdentityFuncOp")
+
+
+def labelled(recorder: Recorder, label: str, fn: Callable) -> Callable:
+    """`fn` wrapped so that its time is a node named `label`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        recorder.enter(label)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            recorder.exit()
+
+    return wrapper
+
+
+def connect_comm(recorder: Recorder, session: Any) -> None:
+    """Record every operation of the session's prism backend."""
+    me = session.virtual_rank
+
+    def on_event(event: CommEvent) -> None:
+        delta = None
+        if event.peer is not None:
+            members, n = event.members, len(event.members)
+            d = (members.index(event.peer) - members.index(me)) % n
+            delta = d - n if d > n // 2 else d
+        recorder.comm_begin(op=event.op, dim=event.dim, group=event.group_id, nbytes=event.nbytes,
+                            dtype=event.dtype, peer_delta=delta)
+
+    session.log.listeners.append(on_event)
+    session.log.issue_listeners.append(recorder.comm_issued)
+
+
+def patch_wait(patches: PatchSet, recorder: Recorder) -> None:
+    """`Work.wait` tells the recorder which operation the waiting stream now depends on."""
+    work_cls = torch._C._distributed_c10d.Work
+    original = work_cls.wait
+
+    def wait(self, *args, **kwargs):
+        entry = recorder.wait_begin(self)
+        result = original(self, *args, **kwargs)
+        recorder.wait_end(entry)
+        return result
+
+    patches.patch(work_cls, "wait", wait)
+
+
+def _module_path(name: str) -> str:
+    while name.startswith("module."):  # DDP / Float16Module wrappers
+        name = name[len("module."):]
+    return name
+
+
+def label_modules(recorder: Recorder, model: torch.nn.Module, chunk: int) -> list[Any]:
+    """Hook the module-level ops of one model chunk; returns the hook handles."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    handles: list[Any] = []
+    prefix = f"c{chunk}/" if chunk else ""
+    parents: dict[int, torch.nn.Module] = {}
+    for _, module in model.named_modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+    for name, module in model.named_modules():
+        parent = parents.get(id(module))
+        if parent is None or type(module).__name__ in _SKIP or isinstance(module, TransformerBlock):
+            continue
+        parent_is_model = type(parent).__name__.endswith("Model") and hasattr(parent, "decoder")
+        wanted = (isinstance(module, TransformerLayer) or isinstance(parent, (TransformerLayer, MoELayer))
+                  or parent_is_model or (isinstance(parent, TransformerBlock)
+                                         and not isinstance(module, torch.nn.ModuleList)))
+        if wanted:
+            handles += _hook_module(recorder, module, prefix + _module_path(name))
+        if isinstance(module, MoELayer):
+            handles.append(module.experts.register_forward_pre_hook(_moe_counter(recorder, module)))
+    return handles
+
+
+def _hook_module(recorder: Recorder, module: torch.nn.Module, label: str) -> list[Any]:
+    backward = label + ".backward"
+
+    def on_backward(grad_outputs):
+        recorder.backward_at(backward)
+
+    def pre(mod, args):
+        recorder.enter(label)
+
+    def post(mod, args, output):
+        recorder.exit()
+        if torch.is_grad_enabled():
+            nodes = {t.grad_fn for t in _tensors(output) if t.grad_fn is not None}
+            for node in nodes:
+                node.register_prehook(on_backward)
+
+    return [module.register_forward_pre_hook(pre),
+            module.register_forward_hook(post, always_call=True)]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _moe_counter(recorder: Recorder, moe_layer: torch.nn.Module) -> Callable:
+    def count(mod, args):
+        tokens = args[1] if len(args) > 1 else None
+        if isinstance(tokens, torch.Tensor):
+            recorder.moe_tokens(int(getattr(moe_layer, "layer_number", -1) or -1),
+                                [int(x) for x in tokens.tolist()])
+
+    return count
+
+
+def patch_framework(patches: PatchSet, recorder: Recorder) -> None:
+    """Labels for the loss, the optimizer and gradient synchronization (megatron-core)."""
+    from megatron.core import distributed as mdist
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    patches.patch(LanguageModule, "compute_language_model_loss",
+                  labelled(recorder, "loss", LanguageModule.compute_language_model_loss))
+    for cls in (*[c for c in vars(optimizer).values() if isinstance(c, type)],
+                distrib_optimizer.DistributedOptimizer):
+        if issubclass(cls, optimizer.MegatronOptimizer) and "step" in vars(cls):
+            patches.patch(cls, "step", labelled(recorder, "optimizer.step", vars(cls)["step"]))
+    for name, label in (("get_grad_norm_fp32", "optimizer.grad_norm"),
+                        ("clip_grad_by_total_norm_fp32", "optimizer.clip_grads")):
+        patches.patch(optimizer, name, labelled(recorder, label, getattr(optimizer, name)))
+    for name in ("start_grad_sync", "finish_grad_sync", "start_param_sync"):
+        cls = ddp_mod.DistributedDataParallel
+        patches.patch(cls, name, labelled(recorder, f"ddp.{name}", vars(cls)[name]))
+    fmg_mod = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package
+    finalize = labelled(recorder, "finalize_model_grads", fmg_mod.finalize_model_grads)  # shadows it
+    patches.patch(fmg_mod, "finalize_model_grads", finalize)
+    patches.patch(mdist, "finalize_model_grads", finalize)
+
+
+def optimizer_step_hooks(recorder: Recorder) -> list[Any]:
+    """The inner torch optimizer's step (Adam, SGD, ...) as `optimizer.<class>`; returns handles."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    return [register_optimizer_step_pre_hook(
+                lambda opt, args, kwargs: recorder.enter(f"optimizer.{type(opt).__name__.lower()}")),
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: recorder.exit())]
+
+
+class AtenLabels(TorchDispatchMode):
+    """granularity=aten: every aten op is its own node, named `<module label>/<op>`."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.recorder.enter(f"{self.recorder.label}/aten.{func.overloadpacket.__name__}")
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.recorder.exit()
+
+
+def remove_handles(handles: Optional[list[Any]]) -> None:
+    for handle in handles or ():
+        handle.remove()

@@ -1,0 +1,54 @@
+"""Device clocks for the recorder: marks taken in program order, resolved to seconds at the end.
+
+On GPU a host timestamp of an asynchronous launch says when the launch happened, not when the kernel
+ran, so `CudaClock` records a CUDA event on the current stream at each mark and resolves all of them
+once, after a synchronize, with `elapsed_time` relative to the first mark: every duration is measured
+on the device's own clock. `CpuClock` uses `time.perf_counter`, where work is synchronous.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class CpuClock:
+    """perf_counter marks; the CPU runs everything on the calling thread's one stream."""
+
+    kind = "cpu"
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def stream(self) -> str:
+        return "compute"
+
+    def seconds(self, marks: Sequence[Any], origin: Any) -> np.ndarray:
+        return np.asarray(marks, dtype="f8") - float(origin)
+
+
+class CudaClock:
+    """CUDA-event marks on the current stream, resolved in one synchronize at the end."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._default = torch.cuda.default_stream()
+
+    def mark(self) -> Any:
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stream(self) -> str:
+        current = self._torch.cuda.current_stream()
+        return "compute" if current == self._default else f"cuda_stream{current.stream_id}"
+
+    def seconds(self, marks: Sequence[Any], origin: Any) -> np.ndarray:
+        self._torch.cuda.synchronize()
+        return np.asarray([origin.elapsed_time(m) * 1e-3 for m in marks], dtype="f8")
