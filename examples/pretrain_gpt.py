@@ -38,7 +38,7 @@ from prism_megatron.config.flags import (
     add_prism_args,
     config_from_args,
 )
-from prism_megatron.util import atomic_write_text
+from prism_megatron.util import atomic_write_text, per_rank_path
 
 
 def build_model(cfg, device):
@@ -223,17 +223,6 @@ def _pipeline_loss(losses, pp_group, last_stage, inst, device):
     return float(value.item())
 
 
-def summary_file(path: str, virtual_rank: int) -> str:
-    """`{rank}` in the path is the virtual rank; with several processes and no `{rank}`, it is
-    inserted before the extension so that processes never write one file."""
-    if "{rank}" in path:
-        return path.replace("{rank}", str(virtual_rank))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        stem, ext = os.path.splitext(path)
-        return f"{stem}.rank{virtual_rank}{ext}"
-    return path
-
-
 def _finish(summary, inst, summary_path):
     key = "peak_tracked_bytes" if inst.tracker is not None else "peak_allocated_bytes"
     summary[key] = int(inst.peak_memory_bytes())
@@ -242,7 +231,7 @@ def _finish(summary, inst, summary_path):
     if inst.session is not None:
         summary["comm"] = inst.session.log.rows()
     if summary_path:
-        atomic_write_text(summary_file(summary_path, summary["virtual_rank"]),
+        atomic_write_text(per_rank_path(summary_path, summary["virtual_rank"]),
                           json.dumps(summary, indent=1))
     finite = [x for x in summary["losses"] + summary["grad_norms"] if x is not None]
     if not all(math.isfinite(x) for x in finite):

@@ -24,3 +24,14 @@ def atomic_write_text(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def per_rank_path(path: str, virtual_rank: int) -> str:
+    """`{rank}` in `path` becomes the virtual rank; with several processes (WORLD_SIZE > 1) and no
+    `{rank}`, `.rank<r>` goes before the extension, so that processes never write one file."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(virtual_rank))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        stem, ext = os.path.splitext(path)
+        return f"{stem}.rank{virtual_rank}{ext}"
+    return path

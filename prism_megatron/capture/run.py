@@ -117,8 +117,10 @@ class Capture:
 
     def __init__(self, cfg: PrismConfig, out_dir: str, *, workers: Optional[int] = None,
                  device: Optional[str] = None, timeout_s: float = 1800.0,
+                 script: Path = EXAMPLE,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> None:
-        self.cfg, self.out = cfg, Path(out_dir)
+        """`script`: the training script every slice runs (megatron-core, prism `--prism-*` flags)."""
+        self.cfg, self.out, self.script = cfg, Path(out_dir), Path(script)
         self.world = world_of(cfg)
         self.microbatches = microbatches_of(cfg, self.world)
         self.device = device or cfg.train.device
@@ -156,11 +158,11 @@ class Capture:
         return True
 
     def _command(self, s: Slice) -> list[str]:
-        if not EXAMPLE.is_file():
-            raise ConfigError(f"{EXAMPLE} not found; capture runs the repository's example, so use a "
-                              "checkout installed with `pip install -e .`")
+        if not self.script.is_file():
+            raise ConfigError(f"{self.script} not found; capture runs the repository's example, so "
+                              "use a checkout installed with `pip install -e .`")
         config = self.out / "config.yaml"
-        return [sys.executable, str(EXAMPLE), "--prism-config", str(config),
+        return [sys.executable, str(self.script), "--prism-config", str(config),
                 "--prism-sandbox-ranks", str(s.rank), "--prism-trace-path", str(s.path)]
 
     def _env(self, slot: int) -> dict:

@@ -203,7 +203,8 @@ class TraceConfig:
     """Recording this rank's execution graph (a slice of `prism-megatron capture`, or any run)."""
 
     path: Optional[str] = None
-    """Write this rank's role graph here at the end of the run (None: do not record)."""
+    """Write this rank's role graph here at the end of the run ({rank}: the virtual rank; with several
+    processes and no {rank}, .rank<r> goes before the extension). None: do not record."""
 
     granularity: str = "module"
     """Compute nodes per module-level op (module) or per aten op inside each module (aten)."""

@@ -2,7 +2,8 @@
 
 One process per exported virtual rank, one track (thread) per stream; every node is a complete
 ("X") event with its measured start and duration in microseconds, and its communication fields
-(op, dim, bytes, dtype, sequence number, p2p peer) as args. The timeline is the captured one of the
+(op, dim, bytes, dtype, sequence number, p2p peer) as args. The pipeline spans (forward/backward of
+each microbatch and virtual stage) are one more track, `pipeline`. The timeline is the captured one of the
 rank's role; the simulator (issue [C]) will export simulated timelines through the same function.
 """
 
@@ -40,6 +41,19 @@ def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int]) -> dict:
                 if cols["peer_delta"][i] != NO_PEER:
                     event["args"]["peer_delta"] = int(cols["peer_delta"][i])
             events.append(event)
+        spans = g.spans
+        if len(spans["name"]):
+            tid = len(tids) + 1
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+                           "args": {"name": "pipeline"}})
+            for j in range(len(spans["name"])):
+                start, end = float(spans["start_s"][j]), float(spans["end_s"][j])
+                label = (f"{graph.string(int(spans['name'][j]))} mb{int(spans['microbatch'][j])} "
+                         f"chunk{int(spans['chunk'][j])}")
+                events.append({"ph": "X", "pid": rank, "tid": tid, "cat": "pipeline", "name": label,
+                               "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
+                               "args": {"first_node": int(spans["first"][j]),
+                                        "last_node": int(spans["last"][j])}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"world_size": graph.world.world_size, "source": "captured"}}
 

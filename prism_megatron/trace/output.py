@@ -15,6 +15,7 @@ import torch
 from prism_megatron.graph.io import save_graph
 from prism_megatron.graph.model import ExecutionGraph, StringTable
 from prism_megatron.runtime.memory import _torch_optimizers
+from prism_megatron.util import per_rank_path
 
 
 def _storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
@@ -71,6 +72,7 @@ def write_role_graph(inst: Any) -> str:
                            "initialize_model_parallel to have run under prism_megatron.install")
     rank = session.virtual_rank
     role = session.world.role(rank)
+    path = per_rank_path(cfg.trace.path, rank)
     strings = StringTable()
     iteration = cfg.trace.iteration - 1 if cfg.trace.iteration > 0 else -1
     graph = inst.recorder.build(role, rank, strings, iteration=iteration, **memory_figures(inst))
@@ -78,5 +80,5 @@ def write_role_graph(inst: Any) -> str:
             "clock": inst.recorder.clock.kind, "granularity": cfg.trace.granularity,
             "iterations_run": len(inst.recorder.iterations)}
     save_graph(ExecutionGraph(world=session.world, roles={role: graph}, strings=strings.strings,
-                              meta=meta), cfg.trace.path)
-    return cfg.trace.path
+                              meta=meta), path)
+    return path

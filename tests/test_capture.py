@@ -1,0 +1,207 @@
+"""Slicing capture against a real run recorded on every rank: same program, same memory, byte for byte.
+
+The real run is 8 gloo processes (torchrun) each recording itself; the capture runs one process per
+slice with every other rank a ghost. For each of the 8 ranks, the captured graph of its role must have
+the same communication (op, group dim, bytes, dtype, sequence, p2p peer), the same module-level compute
+sequence and dependencies, the same pipeline spans, and the same peak and per-category memory as that
+rank's own recording and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prism_megatron.graph import load_graph
+from prism_megatron.graph.model import COLUMNS, structure_hash
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = str(REPO / "examples" / "pretrain_gpt.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+CONFIGS = {
+    # the acceptance config: TP2 PP2 DP2, two microbatches per iteration
+    "tp2pp2dp2": dict(tp=2, pp=2, layers=2, gbs=8, mbs=2),
+    # PP4 with one microbatch: stages 1 and 2 share a schedule, so half the roles are inferred
+    "tp2pp4": dict(tp=2, pp=4, layers=4, gbs=2, mbs=2),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config_file(tmp_path: Path, c: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        f"emulation: {{virtual_world_size: 8}}\n"
+        f"parallel: {{tp: {c['tp']}, pp: {c['pp']}}}\n"
+        f"model: {{num_layers: {c['layers']}, hidden_size: 32, num_attention_heads: 4, seq_length: 16}}\n"
+        f"train: {{global_batch_size: {c['gbs']}, micro_batch_size: {c['mbs']}, iters: 2, device: cpu}}\n")
+    return path
+
+
+def _program(graph, g) -> dict:
+    """What a rank does, strings resolved, timings left out."""
+    cols = g.columns
+    text = {name: [graph.string(int(i)) for i in cols[name]] for name in ("name", "stream", "op", "dim",
+                                                                         "dtype")}
+    nodes = list(zip(cols["kind"].tolist(), *text.values(), cols["nbytes"].tolist(), cols["seq"].tolist(),
+                     cols["peer_delta"].tolist()))
+    spans = list(zip([graph.string(int(i)) for i in g.spans["name"]], g.spans["microbatch"].tolist(),
+                     g.spans["chunk"].tolist(), g.spans["first"].tolist(), g.spans["last"].tolist()))
+    return {"comm": [n for n in nodes if n[0] == 1], "compute": [n[1] for n in nodes if n[0] == 0],
+            "nodes": nodes, "deps": (g.dep_ptr.tolist(), g.dep_idx.tolist()), "spans": spans}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def real_and_captured(request, tmp_path_factory):
+    name, c = request.param, CONFIGS[request.param]
+    tmp = tmp_path_factory.mktemp(name)
+    config = _config_file(tmp, c)
+    real = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--master-port",
+         str(_free_port()), EXAMPLE, "--prism-config", str(config),
+         "--prism-trace-path", str(tmp / "real" / "rank{rank}.prism"),
+         "--prism-summary-json", str(tmp / "real" / "summary.json")],
+        capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    assert real.returncode == 0, real.stderr[-3000:]
+    cap = subprocess.run(
+        [sys.executable, "-m", "prism_megatron.cli", "capture", "--config", str(config), "--out",
+         str(tmp / "capture"), "--json", str(tmp / "capture.json"), "--workers", "2"],
+        capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    assert cap.returncode == 0, cap.stderr[-3000:]
+    summary = json.loads((tmp / "capture.json").read_text())
+    return name, tmp, summary, load_graph(summary["graph_path"])
+
+
+def test_summary_reports_the_capture(real_and_captured):
+    name, _, summary, graph = real_and_captured
+    c = CONFIGS[name]
+    assert summary["roles_total"] == c["tp"] * c["pp"] == len(graph.roles)
+    assert summary["slices_run"] + summary["slices_reused"] == summary["roles_captured"]
+    assert summary["roles_captured"] + summary["roles_inferred"] == summary["roles_total"]
+    assert summary["wall_s"] > 0 and os.path.getsize(summary["graph_path"]) == summary["graph_bytes"]
+    if name == "tp2pp4":  # stages 1 and 2: probes (1, tp0) and (2, tp1) agree, the other two inferred
+        assert summary["roles_inferred"] == 2 and summary["slices_run"] == 6
+        middle = next(k for k in summary["classes"] if k["roles"] == 4)
+        assert middle["symmetric"] is True
+        assert all(s.startswith("inferred:") for s in
+                   (g.source for g in graph.roles.values() if g.source != "captured"))
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_captured_program_equals_the_real_rank(real_and_captured, rank):
+    _, tmp, _, graph = real_and_captured
+    real = load_graph(str(tmp / "real" / f"rank{rank}.prism"), check=False)
+    mine = real.graph_of(rank)
+    theirs = graph.graph_of(rank)
+    a, b = _program(real, mine), _program(graph, theirs)
+    assert a["comm"] == b["comm"], f"rank {rank}: collectives/p2p differ"
+    assert a["compute"] == b["compute"], f"rank {rank}: module-level compute sequence differs"
+    assert a["nodes"] == b["nodes"] and a["deps"] == b["deps"] and a["spans"] == b["spans"]
+    assert structure_hash(mine, real.strings) == structure_hash(theirs, graph.strings)
+    assert len(a["comm"]) > 0 and any(n[3] == "send" or n[3] == "recv" for n in a["comm"])
+    assert {s[0] for s in a["spans"]} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_captured_memory_equals_the_real_rank_byte_for_byte(real_and_captured, rank):
+    _, tmp, _, graph = real_and_captured
+    summary = json.loads((tmp / "real" / f"summary.rank{rank}.json").read_text())
+    g = graph.graph_of(rank)
+    assert g.peak_bytes == summary["peak_tracked_bytes"] == summary["memory"]["peak_allocated_bytes"]
+    assert g.peak_by_category == summary["memory"]["peak_by_category"]
+    assert g.peak_by_category["params"] > 0 and g.peak_by_category["optimizer_state"] > 0
+    assert g.memory_source == "tracker" and len(g.mem_bytes) == len(g.mem_t_s) > 0
+
+
+def test_graph_columns_are_well_formed(real_and_captured):
+    _, _, _, graph = real_and_captured
+    for g in graph.roles.values():
+        assert set(g.columns) == set(COLUMNS)
+        assert np.all(g.columns["duration_s"] >= 0) and np.all(np.diff(g.columns["start_s"]) >= -1e-9)
+
+
+def test_exports_of_the_captured_graph(real_and_captured, tmp_path):
+    name, _, summary, graph = real_and_captured
+    proc = subprocess.run(
+        [sys.executable, "-m", "prism_megatron.cli", "export", summary["graph_path"], "--ranks", "0,7",
+         "--perfetto", str(tmp_path / "t.json"), "--chakra", str(tmp_path / "et")],
+        capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "t.json").read_text())
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert {"compute", "comm.tp", "comm.pp", "comm.dp", "pipeline"} <= tracks
+    from prism_megatron.graph.chakra import decode
+
+    meta, nodes = decode((tmp_path / "et" / "et.7.et").read_bytes())
+    assert len(nodes) == graph.graph_of(7).num_nodes
+
+
+WRAPPER = """
+import os, pathlib, runpy, sys
+rank = sys.argv[sys.argv.index("--prism-sandbox-ranks") + 1]
+marker = pathlib.Path(os.environ["PRISM_TEST_MARKER"] + rank)
+if rank == os.environ["PRISM_TEST_FAIL_RANK"] and (os.environ.get("PRISM_TEST_ALWAYS") or not marker.exists()):
+    marker.write_text("failed")
+    sys.exit(3)
+sys.argv = [{example!r}] + sys.argv[1:]
+runpy.run_path({example!r}, run_name="__main__")
+"""
+
+
+def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatch):
+    from prism_megatron.capture.run import Capture, CaptureFailed
+    from prism_megatron.config import ConfigError, load_config
+
+    script = tmp_path / "flaky.py"
+    script.write_text(WRAPPER.format(example=EXAMPLE))
+    monkeypatch.setenv("PRISM_TEST_MARKER", str(tmp_path / "failed"))
+    monkeypatch.setenv("PRISM_TEST_FAIL_RANK", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    overrides = ["emulation.virtual_world_size=4", "parallel.pp=2", "model.num_layers=2",
+                 "train.global_batch_size=4", "train.micro_batch_size=2", "train.device=cpu"]
+    out = tmp_path / "cap"
+    logs = []
+    first = Capture(load_config(overrides), str(out), workers=2, script=script, log=logs.append).run()
+    assert (first.slices_run, first.retries, first.roles_total) == (2, 1, 2)
+    assert any("rank 2 failed" in line for line in logs)
+    (out / "slices" / "rank2.prism").unlink()
+    again = Capture(load_config(overrides), str(out), workers=2, script=script).run()
+    assert (again.slices_run, again.slices_reused, again.retries) == (1, 1, 0)
+    assert load_graph(again.graph_path).roles.keys() == load_graph(first.graph_path).roles.keys()
+    with pytest.raises(ConfigError, match="another config"):
+        Capture(load_config([*overrides, "model.hidden_size=32"]), str(out), script=script).run()
+    monkeypatch.setenv("PRISM_TEST_ALWAYS", "1")
+    (out / "slices" / "rank2.prism").unlink()
+    with pytest.raises(CaptureFailed, match=r"rank 2 .* failed twice .*rank2\.log"):
+        Capture(load_config(overrides), str(out), workers=2, script=script, log=logs.append).run()
+    assert not (out / "slices" / "rank2.prism").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["capture", "emulation.virtual_world_size=null", "--out", "{tmp}/o"], "needs a virtual world"),
+    (["capture", "parallel.tp=3", "--out", "{tmp}/o"], "not divisible"),
+    (["capture", "--out", "{tmp}/o", "--workers", "0"], "--workers 0"),
+    (["export", "{tmp}/junk.prism", "--perfetto", "{tmp}/t.json"], "truncated or corrupted"),
+    (["export", "{tmp}/junk.prism"], "nothing to export"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "junk.prism").write_bytes(b"garbage")
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli",
+                           *[a.format(tmp=tmp_path) for a in args]],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "o" / "graph.prism").exists() and not (tmp_path / "t.json").exists()

@@ -1,0 +1,202 @@
+"""The recorder's graph semantics (pure, with a fake clock), the capture plan, and Chakra export."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prism_megatron.capture.plan import plan_classes, stage_key
+from prism_megatron.graph import StringTable, load_graph, save_graph
+from prism_megatron.graph.chakra import NODE_TYPES, chakra_messages, decode, encode, write_chakra
+from prism_megatron.graph.model import NO_PEER, NodeKind, structure_hash
+from prism_megatron.graph.synthetic import synthetic_graph
+from prism_megatron.trace.recorder import Recorder, RecorderError
+from prism_megatron.world import Role, VirtualWorld
+
+
+class FakeClock:
+    """Each mark advances 1 ms, so durations count the marks a segment spans."""
+
+    kind = "fake"
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def mark(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+    def stream(self) -> str:
+        return "compute"
+
+    def seconds(self, marks, origin):
+        return np.asarray(marks, dtype="f8") - origin
+
+
+class FakeWork:
+    pass
+
+
+ROLE = Role(pp=0, tp=0, cp=0, ep=0, etp=0)
+
+
+def _comm(rec, op="all_reduce", dim="tp", nbytes=64, peer=None, group="g1"):
+    rec.comm_begin(op=op, dim=dim, group=group, nbytes=nbytes, dtype="float32", peer_delta=peer)
+    work = FakeWork()
+    rec.comm_issued(work)
+    return work
+
+
+def _built(rec, **kw):
+    strings = StringTable()
+    g = rec.build(ROLE, 0, strings, peak_bytes=100, peak_by_category={"params": 100}, **kw)
+    names = [strings.strings[i] for i in g.columns["name"]]
+    return g, names, strings
+
+
+def test_segments_are_named_by_the_innermost_label_and_ordered_per_stream():
+    rec = Recorder(FakeClock(), lambda: 7)
+    rec.begin_iteration()
+    rec.enter("forward_backward")
+    rec.span_begin("forward", 0, 0)
+    rec.enter("decoder.layers.0.self_attention")
+    work = _comm(rec)  # a synchronous all-reduce in the middle of attention: waited at once
+    rec.wait_end(rec.wait_begin(work))
+    rec.exit()
+    rec.span_end()
+    rec.exit()
+    rec.enter("optimizer.step")
+    rec.exit()
+    g, names, _ = _built(rec)
+    kinds = g.columns["kind"].tolist()
+    assert names == ["host", "forward_backward", "forward", "decoder.layers.0.self_attention",
+                     "all_reduce", "decoder.layers.0.self_attention", "forward", "forward_backward",
+                     "host", "optimizer.step"]
+    assert kinds.count(NodeKind.COMM) == 1
+    comm = kinds.index(NodeKind.COMM)
+    assert list(g.deps(comm)) == [comm - 1]            # issued by the attention segment
+    assert sorted(g.deps(comm + 1)) == [comm - 1, comm]  # program order + the wait
+    assert (g.spans["first"].tolist(), g.spans["last"].tolist()) == ([2], [6])  # inside the span
+    assert g.peak_bytes == 100 and set(g.mem_bytes.tolist()) == {7}
+
+
+def test_async_work_waited_later_makes_the_waiting_segment_depend_on_it():
+    rec = Recorder(FakeClock(), lambda: 0)
+    rec.begin_iteration()
+    rec.enter("ddp.start_grad_sync")
+    work = _comm(rec, dim="dp", nbytes=4096, group="dp0")
+    rec.exit()
+    rec.enter("decoder.layers.0.mlp.backward")  # overlapped compute
+    rec.exit()
+    entry = rec.wait_begin(work)
+    rec.wait_end(entry)
+    rec.enter("optimizer.step")
+    rec.exit()
+    g, names, _ = _built(rec)
+    comm = names.index("all_reduce")
+    waiting = names.index("optimizer.step") - 1  # the segment that starts at the wait
+    assert comm in g.deps(waiting).tolist()
+    assert all(comm not in g.deps(i).tolist() for i in range(comm + 1, waiting))
+    assert g.columns["duration_s"][comm] > 2e-3  # issue to wait, over the overlapped compute
+    assert g.columns["stream"][comm] != g.columns["stream"][comm - 1]
+
+
+def test_p2p_keeps_its_peer_and_sequence_numbers_restart_each_iteration():
+    rec = Recorder(FakeClock(), lambda: 0)
+    for _ in range(2):
+        rec.begin_iteration()
+        _comm(rec, op="send", dim="pp", peer=1, group="pp0")
+        _comm(rec, op="recv", dim="pp", peer=-1, group="pp0")
+        _comm(rec, op="all_reduce", dim="tp", group="tp0")
+    g, names, _ = _built(rec, iteration=0)
+    comm = g.columns["kind"] == NodeKind.COMM
+    assert g.columns["seq"][comm].tolist() == [0, 1, 0]
+    assert g.columns["peer_delta"][comm].tolist() == [1, -1, NO_PEER]
+    g2, _, _ = _built(rec, iteration=-1)
+    assert g2.columns["seq"][g2.columns["kind"] == NodeKind.COMM].tolist() == [0, 1, 0]
+
+
+def test_moe_tokens_are_kept_per_layer_and_microbatch():
+    rec = Recorder(FakeClock(), lambda: 0)
+    rec.begin_iteration()
+    for mb in range(2):
+        rec.span_begin("forward", mb, 0)
+        rec.moe_tokens(3, [5, 0, 11 + mb])
+        rec.span_end()
+    g, _, _ = _built(rec)
+    assert g.moe["layer"].tolist() == [3, 3] and g.moe["microbatch"].tolist() == [0, 1]
+    assert g.moe_tokens[g.moe_ptr[1]:g.moe_ptr[2]].tolist() == [5, 0, 12]
+
+
+def test_no_iteration_is_an_error_that_says_why():
+    rec = Recorder(FakeClock(), lambda: 0)
+    with pytest.raises(RecorderError, match="forward_backward_func"):
+        _built(rec)
+
+
+def test_structure_hash_ignores_timings_but_not_bytes():
+    world = VirtualWorld(world_size=16, tp=2, pp=4)
+    a, b = synthetic_graph(world), synthetic_graph(world)
+    role = world.roles()[0]
+    ga, gb = a.roles[role], b.roles[role]
+    gb.columns["duration_s"] = gb.columns["duration_s"] * 3
+    assert structure_hash(ga, a.strings) == structure_hash(gb, b.strings)
+    gb.columns["nbytes"] = gb.columns["nbytes"] + (gb.columns["kind"] == NodeKind.COMM)
+    assert structure_hash(ga, a.strings) != structure_hash(gb, b.strings)
+
+
+def test_plan_groups_stages_by_schedule_and_probes_differ_most():
+    world = VirtualWorld(world_size=8192, tp=8, pp=16)
+    classes = plan_classes(world, microbatches=2)
+    assert [c.key for c in classes] == ["first+warmup2", "warmup2", "warmup1", "last+warmup0"]
+    assert [len(c.roles) for c in classes] == [8, 104, 8, 8]
+    middle = classes[1]
+    a, b = middle.probes
+    assert (a.pp, a.tp) == (1, 0) and (b.pp, b.tp) == (13, 7)
+    assert sum(len(c.probes) for c in classes) == 8
+    many = plan_classes(world, microbatches=64)  # a long 1F1B: every stage its own warm-up
+    assert len(many) == 16
+    interleaved = VirtualWorld(world_size=64, tp=2, pp=4, vpp=2)
+    assert stage_key(interleaved, 1, 8) == "stage1" and len(plan_classes(interleaved, 8)) == 4
+    with pytest.raises(ValueError, match="microbatches"):
+        plan_classes(world, 0)
+
+
+def test_inferred_roles_share_one_stored_graph(tmp_path):
+    world = VirtualWorld(world_size=64, tp=4, pp=2)
+    graph = synthetic_graph(world)
+    source = graph.roles[world.roles()[0]]
+    for role in world.roles()[1:4]:  # stage 0: tensor ranks 1..3 inferred from rank 0's graph
+        graph.roles[role] = source.as_role(role, world.representative(role), f"inferred:{source.role}")
+    save_graph(graph, str(tmp_path / "g.prism"))
+    back = load_graph(str(tmp_path / "g.prism"))
+    stage0 = [back.roles[r] for r in world.roles()[:4]]
+    assert all(g.dep_ptr is stage0[0].dep_ptr for g in stage0)  # one array, four roles
+    assert [g.source.split(":")[0] for g in stage0] == ["captured", "inferred", "inferred", "inferred"]
+    assert [g.representative for g in stage0] == [world.representative(r) for r in world.roles()[:4]]
+
+
+def test_chakra_export_round_trips_through_the_protobuf_schema(tmp_path):
+    world = VirtualWorld(world_size=16, tp=2, pp=4)
+    graph = synthetic_graph(world)
+    meta, nodes = chakra_messages(graph, 5)
+    meta2, nodes2 = decode(encode([meta, *nodes]))
+    assert meta2 == meta and nodes2 == nodes and len(nodes) == graph.graph_of(5).num_nodes
+    attrs = {a.name: a for a in meta2.attr}
+    assert attrs["rank"].int64_val == 5 and attrs["world_size"].int64_val == 16
+    types = {n.type for n in nodes2}
+    assert types == {NODE_TYPES["COMP_NODE"], NODE_TYPES["COMM_COLL_NODE"], NODE_TYPES["COMM_SEND_NODE"],
+                     NODE_TYPES["COMM_RECV_NODE"]}
+    send = next(n for n in nodes2 if n.type == NODE_TYPES["COMM_SEND_NODE"])
+    a = {x.name: x for x in send.attr}
+    stage_next = world.group(5, "pp")[world.group(5, "pp").index(5) + 1]
+    assert a["comm_src"].int32_val == 5 and a["comm_dst"].int32_val == stage_next
+    assert a["comm_size"].int64_val == 8192
+    deps = {d for n in nodes2 for d in (*n.ctrl_deps, *n.data_deps)}
+    assert deps and all(d < len(nodes2) for d in deps)
+    paths = write_chakra(graph, [0, 5], str(tmp_path / "et"))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["et.0.et", "et.5.et"]
+    with open(paths[1], "rb") as handle:
+        assert decode(handle.read())[1] == nodes
+    with pytest.raises(ValueError, match="truncated"):
+        decode(encode([meta, *nodes])[:-3])
