@@ -152,7 +152,8 @@ WRAPPER = """
 import os, pathlib, runpy, sys
 rank = sys.argv[sys.argv.index("--prism-sandbox-ranks") + 1]
 marker = pathlib.Path(os.environ["PRISM_TEST_MARKER"] + rank)
-if rank == os.environ["PRISM_TEST_FAIL_RANK"] and (os.environ.get("PRISM_TEST_ALWAYS") or not marker.exists()):
+fail = os.environ.get("PRISM_TEST_ALWAYS") or not marker.exists()
+if rank == os.environ["PRISM_TEST_FAIL_RANK"] and fail:
     marker.write_text("failed")
     sys.exit(3)
 sys.argv = [{example!r}] + sys.argv[1:]
