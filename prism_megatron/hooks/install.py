@@ -122,8 +122,11 @@ class Installation:
                 self.runtime.deactivate()
 
 
-def install(cfg: PrismConfig) -> Installation:
-    """Install the hooks for `cfg`; call before `torch.distributed.init_process_group`."""
+def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Installation:
+    """Install the hooks for `cfg`; call before `torch.distributed.init_process_group`.
+
+    `recorder`: with `trace.path` set, record into this Recorder instead of a default one (a
+    subclass can watch every boundary, e.g. to place profiler markers)."""
     device = resolve_device(cfg)
     if cfg.trace.path and cfg.emulation.virtual_world_size is None:
         cfg.emulation.virtual_world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,7 +135,7 @@ def install(cfg: PrismConfig) -> Installation:
         inst.runtime = CpuRuntime().activate()
     activate_local_specs(inst._patches)
     if cfg.trace.path:
-        _install_recorder(inst)
+        _install_recorder(inst, recorder)
     ScheduleHooks(inst.tracker, inst.recorder).install(inst._patches)
     _install_model_hooks(inst)
     if not inst.virtual:
@@ -171,15 +174,13 @@ def install(cfg: PrismConfig) -> Installation:
     return inst
 
 
-def _install_recorder(inst: Installation) -> None:
-    if inst.device == "cuda":
-        clock = CudaClock()
-        allocated = torch.cuda.memory_allocated
-    else:
-        clock = CpuClock()
+def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
+    if recorder is None and inst.device == "cuda":
+        recorder = Recorder(CudaClock(), torch.cuda.memory_allocated)
+    elif recorder is None:
         tracker = inst.tracker
-        allocated = lambda: tracker.allocated_bytes  # noqa: E731
-    recorder = inst.recorder = Recorder(clock, allocated)
+        recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes)
+    inst.recorder = recorder
     patch_wait(inst._patches, recorder)
     inst._handles += optimizer_step_hooks(recorder)
     try:
