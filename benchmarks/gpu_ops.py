@@ -11,7 +11,9 @@ hidden 2048, seq 2048, bf16) runs three ways on one GPU, in fresh processes:
 3. `compare`: per op name, the summed durations of (1), the summed kernel time of (2) and the host
    time of (2), side by side, written to `ops.json`.
 
-    python benchmarks/gpu_ops.py record|profile|compare --out DIR [--device cuda] [--small]
+    python benchmarks/gpu_ops.py record|profile|compare --out DIR [--device cuda] [--small] [flags]
+
+(extra flags go to the example, after the defaults: e.g. --micro-batch-size 8 --global-batch-size 32)
 """
 
 from __future__ import annotations
@@ -181,10 +183,10 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="tiny model (plumbing check)")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()  # extra: more example flags, e.g. --micro-batch-size 8
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    job = ["--device", args.device, *JOB, *(SMALL if args.small else [])]
+    job = ["--device", args.device, *JOB, *(SMALL if args.small else []), *extra]
     return {"record": record, "profile": profile, "compare": compare}[args.step](out, job)
 
 
