@@ -9,7 +9,12 @@ hidden 2048, seq 2048, bf16) runs three ways on one GPU, in fresh processes:
    the host, to the segment (module-level op) it was launched in. This run's recorder uses host
    timestamps (perf_counter), i.e. when the launches happened, for comparison;
 3. `compare`: per op name, the summed durations of (1), the summed kernel time of (2) and the host
-   time of (2), side by side, written to `ops.json`.
+   time of (2), side by side, written to `ops.json`. Communication nodes appear as `comm:<op>.<dim>`:
+   in a slice that is the backend call itself, where ghost contributions are folded in on the device
+   (its kernels are attributed there in both runs). A recorder duration is the device timeline
+   between two boundaries, so it includes the GPU's idle time while the host launches (what the
+   replay needs); the kernel sum does not: the two agree where the GPU is busy, and differ by the
+   launch gaps where the job is host-bound.
 
     python benchmarks/gpu_ops.py record|profile|compare --out DIR [--device cuda] [--small] [flags]
 
@@ -74,6 +79,12 @@ def profile(out: Path, job: list[str]) -> int:
             with torch.profiler.record_function("prism@" + self._labels[-1]):
                 pass
             return super()._cut()
+
+        def comm_issued(self, work):  # what ran inside the backend call is the operation's
+            node = self._cur.nodes[-1]
+            with torch.profiler.record_function(f"prism@comm:{node.op}.{node.dim}"):
+                pass
+            return super().comm_issued(work)
 
         def begin_iteration(self):
             super().begin_iteration()
@@ -144,8 +155,10 @@ def _ms_by_name(path: Path) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     cols = g.columns
     for i in range(g.num_nodes):
-        if cols["kind"][i] == NodeKind.COMPUTE:
-            out[graph.string(int(cols["name"][i]))] += float(cols["duration_s"][i]) * 1e3
+        name = graph.string(int(cols["name"][i]))
+        if cols["kind"][i] != NodeKind.COMPUTE:  # the backend call (ghost data folded in on device)
+            name = f"comm:{name}.{graph.string(int(cols['dim'][i]))}"
+        out[name] += float(cols["duration_s"][i]) * 1e3
     return dict(out)
 
 

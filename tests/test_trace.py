@@ -69,14 +69,15 @@ def test_segments_are_named_by_the_innermost_label_and_ordered_per_stream():
     rec.exit()
     g, names, _ = _built(rec)
     kinds = g.columns["kind"].tolist()
-    assert names == ["host", "forward_backward", "forward", "decoder.layers.0.self_attention",
-                     "all_reduce", "decoder.layers.0.self_attention", "forward", "forward_backward",
-                     "host", "optimizer.step"]
+    attention = "decoder.layers.0.self_attention"
+    assert names == ["host", "forward_backward", "forward", attention, "all_reduce", attention,
+                     attention, "forward", "forward_backward", "host", "optimizer.step"]
     assert kinds.count(NodeKind.COMM) == 1
     comm = kinds.index(NodeKind.COMM)
-    assert list(g.deps(comm)) == [comm - 1]            # issued by the attention segment
-    assert sorted(g.deps(comm + 1)) == [comm - 1, comm]  # program order + the wait
-    assert (g.spans["first"].tolist(), g.spans["last"].tolist()) == ([2], [6])  # inside the span
+    assert list(g.deps(comm)) == [comm - 1]              # issued by the attention segment
+    assert list(g.deps(comm + 1)) == [comm - 1]          # return to wait: not yet dependent
+    assert sorted(g.deps(comm + 2)) == [comm, comm + 1]  # program order + the wait
+    assert (g.spans["first"].tolist(), g.spans["last"].tolist()) == ([2], [7])  # inside the span
     assert g.peak_bytes == 100 and set(g.mem_bytes.tolist()) == {7}
 
 

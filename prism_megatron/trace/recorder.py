@@ -77,7 +77,6 @@ class Recorder:
         self._open_spans: list[tuple] = []
         self._pending: list[int] = []  # waited comm nodes: deps of the next compute node
         self._works: dict[int, tuple[Any, _Iteration, int]] = {}
-        self._just_issued: Optional[int] = None  # id(work) issued with no boundary since
 
     # -- labels and spans ----------------------------------------------------------------------
 
@@ -162,15 +161,13 @@ class Recorder:
             self._seg_start = now
             if work is not None:
                 self._works[id(work)] = (work, it, len(it.nodes) - 1)
-                self._just_issued = id(work)
 
     def wait_begin(self, work: Any) -> Optional[tuple[_Iteration, int]]:
         with self._lock:
             entry = self._works.pop(id(work), None)
             if entry is None:
                 return None
-            if self._just_issued != id(work):  # something ran since the issue: close it
-                self._cut()
+            self._cut()  # what ran since the issue (overlapped work, or just the call's return)
             return entry[1], entry[2]
 
     def wait_end(self, entry: Optional[tuple[_Iteration, int]]) -> None:
@@ -183,7 +180,6 @@ class Recorder:
             if it is self._cur:
                 self._pending.append(index)
             self._seg_start = now
-            self._just_issued = None
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -197,7 +193,6 @@ class Recorder:
         it.nodes.append(_Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
         it.mem.append((now, self._allocated()))
         self._seg_start = now
-        self._just_issued = None
         return now
 
     # -- output --------------------------------------------------------------------------------
