@@ -13,8 +13,12 @@ or p2p depends on the compute node that issued it; the first compute node after 
 operation's work depends on that operation (for synchronous calls torch itself waits at once). A
 synchronous call waited right after it returns adds no node for the instant between the two.
 
-The time a blocked `wait()` spends is not compute: it belongs to nobody's node and reappears in the
-replay as the dependency. Times are marks of the device clock (trace/clock.py) resolved at the end.
+A communication node lasts from its issue to the backend's return: on a slice that is the local
+part of the operation (for ghost peers, folding in their contributions); completion as such is the
+replay's business (issue [C]), expressed here by the dependency. The time a blocked `wait()` spends
+is not compute either: it belongs to nobody's node and reappears in the replay as the dependency. So
+the compute and communication nodes of a stream never overlap, and their durations add up to the
+device's busy-or-launching time. Times are marks of the device clock (trace/clock.py) resolved at the end.
 
 No torch.distributed here: the hooks (trace/attach.py) translate framework events into these calls.
 """
@@ -176,7 +180,6 @@ class Recorder:
         with self._lock:
             it, index = entry
             now = self.clock.mark()
-            it.nodes[index].t1 = now
             if it is self._cur:
                 self._pending.append(index)
             self._seg_start = now
