@@ -31,6 +31,8 @@ CONFIGS = {
     "tp2pp2dp2": dict(tp=2, pp=2, layers=2, gbs=8, mbs=2),
     # PP4 with one microbatch: stages 1 and 2 share a schedule, so half the roles are inferred
     "tp2pp4": dict(tp=2, pp=4, layers=4, gbs=2, mbs=2),
+    # interleaved 1F1B: two virtual stages per rank, spans per (microbatch, chunk)
+    "pp2vpp2dp4": dict(tp=1, pp=2, vpp=2, layers=4, gbs=16, mbs=2),
 }
 
 
@@ -44,7 +46,7 @@ def _config_file(tmp_path: Path, c: dict) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(
         f"emulation: {{virtual_world_size: 8}}\n"
-        f"parallel: {{tp: {c['tp']}, pp: {c['pp']}}}\n"
+        f"parallel: {{tp: {c['tp']}, pp: {c['pp']}, vpp: {c.get('vpp') or 'null'}}}\n"
         f"model: {{num_layers: {c['layers']}, hidden_size: 32, num_attention_heads: 4, seq_length: 16}}\n"
         f"train: {{global_batch_size: {c['gbs']}, micro_batch_size: {c['mbs']}, iters: 2, device: cpu}}\n")
     return path
@@ -88,6 +90,7 @@ def test_summary_reports_the_capture(real_and_captured):
     name, _, summary, graph = real_and_captured
     c = CONFIGS[name]
     assert summary["roles_total"] == c["tp"] * c["pp"] == len(graph.roles)
+    assert graph.world.vpp == c.get("vpp")
     assert summary["slices_run"] + summary["slices_reused"] == summary["roles_captured"]
     assert summary["roles_captured"] + summary["roles_inferred"] == summary["roles_total"]
     assert summary["wall_s"] > 0 and os.path.getsize(summary["graph_path"]) == summary["graph_bytes"]
@@ -112,6 +115,7 @@ def test_captured_program_equals_the_real_rank(real_and_captured, rank):
     assert structure_hash(mine, real.strings) == structure_hash(theirs, graph.strings)
     assert len(a["comm"]) > 0 and any(n[3] == "send" or n[3] == "recv" for n in a["comm"])
     assert {s[0] for s in a["spans"]} == {"forward", "backward"}
+    assert {s[2] for s in a["spans"]} == set(range(graph.world.vpp or 1))  # every virtual stage
 
 
 @pytest.mark.parametrize("rank", range(8))

@@ -117,6 +117,34 @@ def test_p2p_keeps_its_peer_and_sequence_numbers_restart_each_iteration():
     assert g2.columns["seq"][g2.columns["kind"] == NodeKind.COMM].tolist() == [0, 1, 0]
 
 
+def test_a_stream_waiting_for_an_event_depends_on_the_node_it_marks():
+    clock = FakeClock()
+    clock.current = "compute"
+    clock.stream = lambda: clock.current
+    rec = Recorder(clock, lambda: 0)
+    rec.begin_iteration()
+    rec.enter("embedding")
+    event = object()
+    rec.event_recorded(event, "compute")   # marks the end of the embedding segment
+    rec.exit()
+    clock.current = "side"
+    rec.enter("overlapped")
+    rec.event_waited(event, "side")
+    rec.exit()
+    clock.current = "compute"
+    rec.stream_waited("compute", "side")    # the compute stream joins the side stream
+    rec.enter("next")
+    rec.exit()
+    g, names, strings = _built(rec)
+    streams = [strings.strings[i] for i in g.columns["stream"]]
+    marked = names.index("embedding")
+    side = [i for i, s in enumerate(streams) if s == "side"]
+    assert marked in g.deps(side[-1]).tolist()  # the side node that starts at the wait
+    assert all(marked not in g.deps(i).tolist() for i in side[:-1])
+    after = names.index("next")
+    assert any(d in side for d in g.deps(after - 1).tolist() + g.deps(after).tolist())
+
+
 def test_moe_tokens_are_kept_per_layer_and_microbatch():
     rec = Recorder(FakeClock(), lambda: 0)
     rec.begin_iteration()

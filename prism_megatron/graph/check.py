@@ -42,9 +42,15 @@ def check_graph(graph: ExecutionGraph, path: str = "graph") -> None:
                                  min(len(seq), len(theirs)))
                     raise GraphFileError(
                         f"{path}: collectives on {dim} do not match between roles {role} and "
-                        f"{other_role} at call {where} ({len(seq)} vs {len(theirs)} calls); the graph "
-                        "mixes captures of different configs")
+                        f"{other_role} at call {where} ({len(seq)} vs {len(theirs)} calls; "
+                        f"{_show(seq, where)} vs {_show(theirs, where)}): the graph mixes captures of "
+                        "different configs, or its slices disagree on data-dependent sizes (MoE token "
+                        "counts need a routing model shared by every slice)")
     _check_p2p(graph, path)
+
+
+def _show(seq: list[tuple[str, int]], i: int) -> str:
+    return f"{seq[i][0]} of {seq[i][1]} bytes" if i < len(seq) else "nothing"
 
 
 def _check_dag(g: RoleGraph, path: str, role) -> None:

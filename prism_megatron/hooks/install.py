@@ -50,6 +50,7 @@ from prism_megatron.trace.attach import (
     connect_comm,
     label_modules,
     optimizer_step_hooks,
+    patch_cuda_sync,
     patch_framework,
     patch_wait,
 )
@@ -182,6 +183,8 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes)
     inst.recorder = recorder
     patch_wait(inst._patches, recorder)
+    if inst.device == "cuda" and hasattr(recorder.clock, "name_of"):
+        patch_cuda_sync(inst._patches, recorder, recorder.clock)
     inst._handles += optimizer_step_hooks(recorder)
     try:
         patch_framework(inst._patches, recorder)

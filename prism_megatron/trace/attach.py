@@ -11,6 +11,8 @@ What is observed, and through which hook:
   grad sync and `finalize_model_grads`;
 - communication: the prism backend's log (every collective and p2p, with the Work it returned) and
   `Work.wait` (which operation a stream waits for);
+- cross-stream waits on GPU: `torch.cuda.Event.record`/`wait` and `Stream.wait_event`/`wait_stream`
+  (a side stream's work, e.g. overlapped parameter all-gather, joins the compute stream);
 - pipeline spans and iterations: hooks/schedules.py calls `span_begin`/`span_end` and
   `begin_iteration`;
 - MoE: the tokens-per-expert argument of each experts module, per layer and microbatch;
@@ -76,6 +78,37 @@ def patch_wait(patches: PatchSet, recorder: Recorder) -> None:
         return result
 
     patches.patch(work_cls, "wait", wait)
+
+
+def patch_cuda_sync(patches: PatchSet, recorder: Recorder, clock: Any) -> None:
+    """Cross-stream waits on GPU: `Event.record`/`Event.wait`, `Stream.wait_event`/`wait_stream`."""
+    cuda = torch.cuda
+    event_record, event_wait = cuda.Event.record, cuda.Event.wait
+    stream_wait_event, stream_wait_stream = cuda.Stream.wait_event, cuda.Stream.wait_stream
+
+    def current(stream):
+        return clock.name_of(stream if stream is not None else cuda.current_stream())
+
+    def record(self, stream=None):
+        event_record(self, stream)
+        recorder.event_recorded(self, current(stream))
+
+    def wait(self, stream=None):
+        recorder.event_waited(self, current(stream))
+        return event_wait(self, stream)
+
+    def wait_event(self, event):
+        recorder.event_waited(event, clock.name_of(self))
+        return stream_wait_event(self, event)
+
+    def wait_stream(self, stream):
+        recorder.stream_waited(clock.name_of(self), clock.name_of(stream))
+        return stream_wait_stream(self, stream)
+
+    patches.patch(cuda.Event, "record", record)
+    patches.patch(cuda.Event, "wait", wait)
+    patches.patch(cuda.Stream, "wait_event", wait_event)
+    patches.patch(cuda.Stream, "wait_stream", wait_stream)
 
 
 def _module_path(name: str) -> str:

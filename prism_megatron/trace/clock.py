@@ -39,15 +39,19 @@ class CudaClock:
 
         self._torch = torch
         self._default = torch.cuda.default_stream()
+        self._record = torch.cuda.Event.record  # before the recorder's own hook wraps it
 
     def mark(self) -> Any:
         event = self._torch.cuda.Event(enable_timing=True)
-        event.record()
+        self._record(event)
         return event
 
     def stream(self) -> str:
-        current = self._torch.cuda.current_stream()
-        return "compute" if current == self._default else f"cuda_stream{current.stream_id}"
+        return self.name_of(self._torch.cuda.current_stream())
+
+    def name_of(self, stream: Any) -> str:
+        """The graph's name of a CUDA stream: `compute` for the default one."""
+        return "compute" if stream == self._default else f"cuda_stream{stream.stream_id}"
 
     def seconds(self, marks: Sequence[Any], origin: Any) -> np.ndarray:
         self._torch.cuda.synchronize()

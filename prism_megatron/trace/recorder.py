@@ -9,7 +9,8 @@ default and finer when finer labels are pushed (aten ops on request), and the no
 deterministic function of the program, not of timing.
 
 Dependencies: each node depends on the previous node of its stream (program order); a collective
-or p2p depends on the compute node that issued it; the first compute node after `wait()` on an
+or p2p depends on the compute node that issued it; a stream that waits for a device event (or for
+another stream) depends on the node the event marks; the first compute node after `wait()` on an
 operation's work depends on that operation (for synchronous calls torch itself waits at once). A
 synchronous call waited right after it returns adds no node for the instant between the two.
 
@@ -79,7 +80,8 @@ class Recorder:
         self._seg_start = now
         self._labels: list[str] = ["host"]
         self._open_spans: list[tuple] = []
-        self._pending: list[int] = []  # waited comm nodes: deps of the next compute node
+        self._pending: dict[str, list[int]] = {}  # stream -> deps of its next compute node
+        self._events: dict[int, tuple[_Iteration, int]] = {}  # id(device event) -> node it marks
         self._works: dict[int, tuple[Any, _Iteration, int]] = {}
 
     # -- labels and spans ----------------------------------------------------------------------
@@ -124,7 +126,7 @@ class Recorder:
             now = self._cut()
             self._cur = _Iteration(origin=now)
             self.iterations.append(self._cur)
-            self._pending = []
+            self._pending = {}
 
     @property
     def label(self) -> str:
@@ -181,8 +183,36 @@ class Recorder:
             it, index = entry
             now = self.clock.mark()
             if it is self._cur:
-                self._pending.append(index)
+                self._pending.setdefault(self.clock.stream(), []).append(index)
             self._seg_start = now
+
+    # -- cross-stream synchronization (device events) -------------------------------------------
+
+    def event_recorded(self, event: Any, stream: str) -> None:
+        """`event` was recorded on `stream`: it completes with that stream's latest node."""
+        with self._lock:
+            if stream == self.clock.stream():
+                self._cut()
+            if stream in self._cur.last:
+                self._events[id(event)] = (self._cur, self._cur.last[stream])
+
+    def event_waited(self, event: Any, stream: str) -> None:
+        """`stream` waits for `event`: its next node depends on the node the event marks."""
+        with self._lock:
+            entry = self._events.get(id(event))
+            if entry is None or entry[0] is not self._cur:
+                return
+            if stream == self.clock.stream():
+                self._cut()
+            self._pending.setdefault(stream, []).append(entry[1])
+
+    def stream_waited(self, waiting: str, waited: str) -> None:
+        """`waiting.wait_stream(waited)`: the next node of `waiting` depends on `waited`'s latest."""
+        with self._lock:
+            if waiting == self.clock.stream() or waited == self.clock.stream():
+                self._cut()
+            if waited in self._cur.last and waited != waiting:
+                self._pending.setdefault(waiting, []).append(self._cur.last[waited])
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -190,8 +220,7 @@ class Recorder:
         """Close the compute segment that ends now; return the mark."""
         now = self.clock.mark()
         it, stream = self._cur, self.clock.stream()
-        deps = ([it.last[stream]] if stream in it.last else []) + self._pending
-        self._pending = []
+        deps = ([it.last[stream]] if stream in it.last else []) + self._pending.pop(stream, [])
         it.last[stream] = len(it.nodes)
         it.nodes.append(_Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
         it.mem.append((now, self._allocated()))
