@@ -210,3 +210,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "o" / "graph.prism").exists() and not (tmp_path / "t.json").exists()
+
+
+def test_a_moe_slice_records_tokens_per_local_expert_and_aten_ops_on_request(tmp_path):
+    """One process as rank 1 of a 4-rank MoE job (DP4 with EP2, 2 layers, 2 microbatches), recording
+    aten ops."""
+    path = tmp_path / "moe.prism"
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--device", "cpu", "--prism-virtual-world-size", "4",
+         "--prism-sandbox-ranks", "1", "--prism-override", "model=tiny_moe", "--num-layers", "2",
+         "--expert-model-parallel-size", "2", "--global-batch-size", "16", "--micro-batch-size", "2",
+         "--prism-trace-path", str(path), "--prism-trace-granularity", "aten"],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    graph = load_graph(str(path), check=False)
+    g = graph.graph_of(1)
+    experts = graph.world.ep  # tiny_moe's experts over EP2: each rank holds num_experts / 2
+    local = (g.moe_ptr[1:] - g.moe_ptr[:-1]).tolist()
+    assert sorted(set(g.moe["layer"].tolist())) == [1, 2]          # megatron's 1-based layer numbers
+    assert sorted(g.moe["microbatch"].tolist()) == [0, 0, 1, 1]     # 16 / (2 x DP4): 2 microbatches
+    assert len(set(local)) == 1 and local[0] >= 1 and experts == 2
+    assert g.moe_tokens.sum() > 0 and (g.moe_tokens >= 0).all()
+    names = [graph.string(int(i)) for i in g.columns["name"]]
+    assert any("/aten.mm" in n or "/aten.addmm" in n for n in names)
+    assert any(n.startswith("decoder.layers.0.mlp/aten.") for n in names)
