@@ -1,9 +1,16 @@
-"""The `prism` torch.distributed backend: virtual groups, ghost data policies, the comm event log."""
+"""The `prism` torch.distributed backend (virtual groups, ghost data policies, the comm event log)
+and the collective cost model (`comm.cost`, pure: importing it does not load torch.distributed)."""
 
-from prism_megatron.comm.backend import BACKEND_NAME, PrismGroup, register_prism_backend
-from prism_megatron.comm.events import CommEvent, CommLog
-from prism_megatron.comm.ghost import GhostPolicy
-from prism_megatron.comm.session import PhysicalWorld, VirtualSession
+import importlib
 
-__all__ = ["BACKEND_NAME", "CommEvent", "CommLog", "GhostPolicy", "PhysicalWorld", "PrismGroup",
-           "VirtualSession", "register_prism_backend"]
+_LAZY = {"BACKEND_NAME": "backend", "PrismGroup": "backend", "register_prism_backend": "backend",
+         "CommEvent": "events", "CommLog": "events", "GhostPolicy": "ghost",
+         "PhysicalWorld": "session", "VirtualSession": "session"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"prism_megatron.comm.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'prism_megatron.comm' has no attribute {name!r}")

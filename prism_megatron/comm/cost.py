@@ -1,0 +1,210 @@
+"""The collective cost model: how long an operation of a group takes on a cluster (pure numpy).
+
+Shape of the model, NCCL's own (its tuning model: a base latency per algorithm and protocol, a
+per-step hardware latency per link type, and a bandwidth scaled by the protocol's efficiency):
+
+    time = base_lat[algo][proto] + steps(algo, op, n) * hw_lat[link][algo][proto]
+           + bus_bytes(op, n, S) / (link_bandwidth * efficiency[proto])
+
+- algorithms: ring (every op), tree (all-reduce across nodes), NVLS (all-reduce inside one NVLink
+  domain when the cluster has NVLink SHARP); protocols LL (8-byte lines carrying 4 data bytes: half
+  the bandwidth, lowest latency), LL128 (120 of 128 bytes), Simple (full bandwidth, highest latency);
+- the choice is NCCL's: the (algorithm, protocol) with the smallest predicted time;
+- bus bytes follow nccl-tests' bus-bandwidth definitions (`bus_factor`): all_reduce 2(n-1)/n,
+  all_gather and reduce_scatter (n-1)/n of the full buffer, broadcast and reduce 1, all_to_all
+  (n-1)/n, send/recv 1; so `busbw = bus_factor * S / time` is what nccl-tests prints;
+- placement: a group inside one node uses NVLink; a group across nodes uses the NICs, each rank its
+  own rail (rail-optimized fat-tree), with the oversubscription of the spine applied when the group
+  spans more nodes than one leaf switch holds (and two extra switch hops of latency);
+- calibration (`prism-megatron calibrate`): measured (latency, bus bandwidth) per (op, link) replace
+  the spec figures for that op; see `Calibration`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+PROTOCOLS = ("LL", "LL128", "Simple")
+EFFICIENCY = {"LL": 0.5, "LL128": 120 / 128, "Simple": 1.0}
+# NCCL's published latency figures (us): base per algorithm, and per step per link type.
+BASE_LAT_US = {"tree": {"LL": 6.8, "LL128": 14.0, "Simple": 14.0},
+               "ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
+               "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 25.0}}
+HW_LAT_US = {"nvlink": {"tree": {"LL": 0.52, "LL128": 1.25, "Simple": 28.0},
+                        "ring": {"LL": 0.47, "LL128": 1.9, "Simple": 3.4},
+                        "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 25.0}},
+             "net": {"tree": {"LL": 5.0, "LL128": 8.5, "Simple": 14.0},
+                     "ring": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0},
+                     "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0}}}
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send",
+       "recv", "gather", "scatter", "barrier")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw = algbw * factor (algbw = S / time, S the op's buffer size)."""
+    if n <= 1:
+        return 0.0 if op not in ("send", "recv") else 1.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0  # broadcast, reduce, send, recv
+
+
+def bus_bandwidth(op: str, n: int, nbytes: int, time_s: float) -> float:
+    """Bus bandwidth in bytes/s as nccl-tests defines it."""
+    return bus_factor(op, n) * nbytes / time_s
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of path: per-GPU unidirectional bandwidth and the latency of one hop."""
+
+    bandwidth_Bps: float
+    kind: str  # nvlink | net
+    extra_latency_us: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a group's members sit on the cluster."""
+
+    n: int
+    nodes: int
+    per_node: int
+    leaves: int = 1
+
+    @property
+    def intra_node(self) -> bool:
+        return self.nodes <= 1
+
+
+@dataclass
+class Calibration:
+    """Measured (latency, bus bandwidth) per (op, link kind): replaces the spec model for that op.
+
+    File (JSON): {"device": ..., "points": [{"op", "n", "link", "bytes", "time_s"}...], "fits": {
+    "<op>/<link>": {"latency_s", "busbw_Bps"}}}; `fit()` derives the fits from the points.
+    """
+
+    points: list[dict] = field(default_factory=list)
+    fits: dict[str, dict] = field(default_factory=dict)
+    device: str = ""
+
+    def fit(self, min_bytes: int = 1 << 20) -> None:
+        """Least squares of time = latency + bus_bytes / busbw over points >= `min_bytes`, in
+        relative error (each point weighted by 1/time), per (op, link)."""
+        groups: dict[str, list[dict]] = {}
+        for p in self.points:
+            if p["bytes"] >= min_bytes:
+                groups.setdefault(f"{p['op']}/{p['link']}", []).append(p)
+        for key, pts in groups.items():
+            # minimize sum((a + b*x - t)/t)^2 with x = bus bytes, b = 1/busbw
+            rows = [(1.0 / p["time_s"], bus_factor(p["op"], p["n"]) * p["bytes"] / p["time_s"])
+                    for p in pts]
+            s11 = sum(r[0] * r[0] for r in rows)
+            s12 = sum(r[0] * r[1] for r in rows)
+            s22 = sum(r[1] * r[1] for r in rows)
+            y1 = sum(r[0] for r in rows)
+            y2 = sum(r[1] for r in rows)
+            det = s11 * s22 - s12 * s12
+            if len(pts) < 2 or abs(det) < 1e-30:
+                continue
+            a = (y1 * s22 - y2 * s12) / det
+            b = (s11 * y2 - s12 * y1) / det
+            if b <= 0:
+                continue
+            self.fits[key] = {"latency_s": max(a, 0.0), "busbw_Bps": 1.0 / b, "points": len(pts)}
+
+    def lookup(self, op: str, link: str) -> Optional[dict]:
+        return self.fits.get(f"{op}/{link}")
+
+    def to_json(self) -> str:
+        return json.dumps({"device": self.device, "points": self.points, "fits": self.fits}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        data = json.loads(text)
+        return cls(points=list(data.get("points", [])), fits=dict(data.get("fits", {})),
+                   device=data.get("device", ""))
+
+
+@dataclass
+class CostModel:
+    """Time of an operation on a cluster: `time(op, nbytes, placement)` (seconds)."""
+
+    nvlink_Bps: float
+    net_Bps: float
+    nodes_per_leaf: int = 32
+    oversubscription: float = 1.0
+    switch_latency_us: float = 0.3
+    nvls: bool = False
+    calibration: Optional[Calibration] = None
+
+    def link(self, placement: Placement) -> Link:
+        if placement.intra_node:
+            return Link(self.nvlink_Bps, "nvlink")
+        bandwidth, extra = self.net_Bps, 2 * self.switch_latency_us
+        if placement.nodes > self.nodes_per_leaf:  # through the spine
+            bandwidth /= self.oversubscription
+            extra += 2 * self.switch_latency_us
+        return Link(bandwidth, "net", extra)
+
+    def choices(self, op: str, nbytes: int, placement: Placement) -> dict[tuple[str, str], float]:
+        """Predicted time of every (algorithm, protocol) NCCL could use for this op."""
+        n = placement.n
+        link = self.link(placement)
+        bus = bus_factor(op, n) * nbytes
+        algos = ["ring"]
+        if op == "all_reduce" and not placement.intra_node:
+            algos.append("tree")
+        if op == "all_reduce" and placement.intra_node and self.nvls and n > 2:
+            algos.append("nvls")
+        out = {}
+        for algo in algos:
+            for proto in PROTOCOLS:
+                if algo == "nvls" and proto != "Simple":
+                    continue
+                steps = _steps(algo, op, placement)
+                latency_us = (BASE_LAT_US[algo][proto] + steps * HW_LAT_US[link.kind][algo][proto]
+                              + link.extra_latency_us)
+                if algo == "tree":
+                    volume = 2 * nbytes  # reduce up and broadcast down, pipelined
+                elif algo == "nvls":
+                    volume = nbytes  # the switch reduces: each GPU sends and receives S once
+                else:
+                    volume = bus
+                out[(algo, proto)] = latency_us * 1e-6 + volume / (link.bandwidth_Bps * EFFICIENCY[proto])
+        return out
+
+    def time(self, op: str, nbytes: int, placement: Placement) -> float:
+        """Seconds for `op` of `nbytes` (nccl-tests size) over a group placed as `placement`."""
+        if placement.n <= 1 and op not in ("send", "recv"):
+            return 0.0
+        if op == "barrier":
+            op, nbytes = "all_reduce", 4
+        link = self.link(placement).kind
+        fit = self.calibration.lookup(op, link) if self.calibration else None
+        if fit is not None:
+            return fit["latency_s"] + bus_factor(op, placement.n) * nbytes / fit["busbw_Bps"]
+        return min(self.choices(op, nbytes, placement).values())
+
+    def choice(self, op: str, nbytes: int, placement: Placement) -> tuple[str, str]:
+        table = self.choices(op, nbytes, placement)
+        return min(table, key=table.get)
+
+
+def _steps(algo: str, op: str, placement: Placement) -> float:
+    n = placement.n
+    if algo == "tree":
+        return 2 * math.log2(max(placement.nodes, 2))
+    if algo == "nvls":
+        return 1.0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("send", "recv"):
+        return 1.0
+    return n - 1

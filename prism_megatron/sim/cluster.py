@@ -1,0 +1,95 @@
+"""Cluster descriptions: nodes, links, network, GPU memory and peak compute (config, pure).
+
+Shipped in `configs/cluster/`: `dgx_h100` (NVLink4, 8x400 Gb/s InfiniBand, NVLink SHARP),
+`dgx_a100` (NVLink3, 8x200 Gb/s), `h200x2` (this project's 2x H200 machine, figures from its
+calibration) and `cpu_host` (gloo over loopback on this VM). Bandwidths are per GPU and
+unidirectional, in GB/s (1e9 bytes/s); NIC speeds in Gb/s as vendors quote them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from prism_megatron.comm.cost import Calibration, CostModel
+from prism_megatron.config.schema import ConfigError
+
+CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """A homogeneous cluster of nodes on a rail-optimized fat-tree."""
+
+    name: str = "dgx_h100"
+    """Name shown in reports."""
+
+    gpu: str = "H100-SXM-80GB"
+    """Device type."""
+
+    gpus_per_node: int = 8
+    """Devices per node (one NIC each, one rail each)."""
+
+    gpu_memory_bytes: int = 80 * 1024**3
+    """Memory capacity of one device."""
+
+    peak_tflops: float = 989.0
+    """Dense bf16 peak of one device (TFLOP/s), the MFU denominator."""
+
+    nvlink_GBps: float = 450.0
+    """Intra-node bandwidth per device, one direction (NVLink4: 900 GB/s bidirectional)."""
+
+    nvlink_domain: int = 8
+    """Devices sharing one NVLink domain (a node, or an NVL72 rack)."""
+
+    nvls: bool = True
+    """NVLink SHARP (in-switch reduction) available inside the NVLink domain."""
+
+    nic_Gbps: float = 400.0
+    """NIC speed per device (rail), Gb/s."""
+
+    nodes_per_leaf: int = 32
+    """Nodes under one leaf switch per rail; beyond that traffic crosses the spine."""
+
+    oversubscription: float = 1.0
+    """Spine oversubscription (1: non-blocking)."""
+
+    switch_latency_us: float = 0.3
+    """Latency of one switch hop."""
+
+    def __post_init__(self) -> None:
+        for f in ("gpus_per_node", "nvlink_domain", "nodes_per_leaf"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ConfigError(f"cluster.{f}={getattr(self, f)!r}: expected a positive integer")
+        for f in ("gpu_memory_bytes", "peak_tflops", "nvlink_GBps", "nic_Gbps", "oversubscription"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"cluster.{f}={getattr(self, f)!r}: expected a positive number")
+        if self.oversubscription < 1:
+            raise ConfigError(f"cluster.oversubscription={self.oversubscription}: expected >= 1 "
+                              "(1 is non-blocking, 2 means half the bandwidth through the spine)")
+
+    def cost_model(self, calibration: Optional[Calibration] = None) -> CostModel:
+        return CostModel(nvlink_Bps=self.nvlink_GBps * 1e9, net_Bps=self.nic_Gbps / 8 * 1e9,
+                         nodes_per_leaf=self.nodes_per_leaf, oversubscription=self.oversubscription,
+                         switch_latency_us=self.switch_latency_us, nvls=self.nvls,
+                         calibration=calibration)
+
+
+def load_cluster(spec: str, overrides: Optional[dict] = None) -> ClusterConfig:
+    """A shipped cluster by name (`dgx_h100`) or a YAML file, with `overrides` on top."""
+    path = Path(spec)
+    if not path.suffix:
+        path = CLUSTER_DIR / f"{spec}.yaml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
+        raise ConfigError(f"cluster {spec!r} not found; use one of {shipped} or a YAML file path")
+    data = yaml.safe_load(path.read_text()) or {}
+    data.update(overrides or {})
+    known = {f.name for f in fields(ClusterConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown cluster key(s) {unknown} in {path}; known: {', '.join(sorted(known))}")
+    return ClusterConfig(**data)

@@ -1,0 +1,319 @@
+"""Discrete-event replay of an ExecutionGraph over all N ranks, simulated as equivalence classes.
+
+Each class (sim/classes.py) runs its role's graph: every node starts when its dependencies are done
+(program order per stream, issue, waits), so compute and communication streams run concurrently; a
+node's compute time is the captured one, times the class's slowdown. A collective starts when the
+last member class arrives (all members of a group that are in one class arrive together) and lasts
+what the cost model says for its op, bytes and the group's placement. Point-to-point: a send and its
+matching receive (same dim, opposite offset, same ordinal) transfer once both are posted; like
+NCCL's grouped p2p, consecutive p2p operations of a stream do not wait for each other's completion,
+only for being posted, while anything that waits on the transfer waits for its end.
+
+Classes advance in turns: each runs until it needs something another class has not produced yet.
+If no class can advance before all are done the graph deadlocks, which is reported with the stuck
+nodes (it means the captured roles do not match up).
+
+Outputs per class: iteration time (the last node's end), compute busy time, exposed communication
+(time a collective runs while no compute does), pipeline bubble (time with neither), and the
+critical path of the job (the chain of nodes that determined the end, across classes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from prism_megatron.comm.cost import CostModel, Placement
+from prism_megatron.graph.model import NO_PEER, ExecutionGraph, NodeKind, RoleGraph
+from prism_megatron.sim.classes import initial_labels, rank_classes
+
+_UNMATCHED = frozenset({"other"})
+
+
+class SimulationError(RuntimeError):
+    """The graph cannot be replayed (a deadlock: roles whose communication does not match)."""
+
+
+@dataclass
+class _Prepared:
+    """Per distinct RoleGraph: Python lists for the hot loop."""
+
+    names: list[str]
+    kinds: list[int]
+    streams: list[int]
+    durations: list[float]
+    deps: list[tuple[int, ...]]
+    comm: list[Optional[tuple]]  # (op, dim, nbytes, key) for comm nodes; key = ordinal key
+    p2p: list[bool]
+
+
+def _prepare(graph: ExecutionGraph, g: RoleGraph) -> _Prepared:
+    cols = g.columns
+    kinds = cols["kind"].tolist()
+    names = [graph.string(i) for i in cols["name"].tolist()]
+    ops = [graph.string(i) for i in cols["op"].tolist()]
+    dims = [graph.string(i) for i in cols["dim"].tolist()]
+    deltas = cols["peer_delta"].tolist()
+    nbytes = cols["nbytes"].tolist()
+    ptr, idx = g.dep_ptr.tolist(), g.dep_idx.tolist()
+    deps = [tuple(idx[ptr[i]:ptr[i + 1]]) for i in range(len(kinds))]
+    counters: dict[tuple, int] = {}
+    comm: list[Optional[tuple]] = []
+    p2p = []
+    for i, kind in enumerate(kinds):
+        if kind != NodeKind.COMM:
+            comm.append(None)
+            p2p.append(False)
+            continue
+        is_p2p = deltas[i] != NO_PEER
+        key = (dims[i], ops[i], deltas[i]) if is_p2p else (dims[i],)
+        k = counters.get(key, 0)
+        counters[key] = k + 1
+        comm.append((ops[i], dims[i], nbytes[i], k, deltas[i] if is_p2p else None))
+        p2p.append(is_p2p)
+    return _Prepared(names, kinds, cols["stream"].tolist(), cols["duration_s"].tolist(), deps, comm, p2p)
+
+
+@dataclass
+class ClassResult:
+    """One class of ranks after the replay."""
+
+    members: int
+    representative: int
+    iteration_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+
+
+@dataclass
+class SimResult:
+    iteration_s: float
+    classes: list[ClassResult]
+    class_of_rank: np.ndarray
+    critical_path: list[tuple[int, str, float, float]] = field(default_factory=list)
+    timelines: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    sim_wall_s: float = 0.0
+
+    def rank_times(self) -> np.ndarray:
+        times = np.asarray([c.iteration_s for c in self.classes])
+        return times[self.class_of_rank]
+
+
+class Simulator:
+    """Replays `graph` on a cluster described by `cost` (see the module docstring)."""
+
+    def __init__(self, graph: ExecutionGraph, cost: CostModel, *,
+                 slowdown: Optional[dict[int, float]] = None, per_rank: bool = False) -> None:
+        self.graph, self.cost, self.world = graph, cost, graph.world
+        self.slowdown = {int(k): float(v) for k, v in (slowdown or {}).items()}
+        bad = [r for r in self.slowdown if not 0 <= r < self.world.world_size]
+        if bad:
+            raise ValueError(f"slowdown for ranks {bad} outside the virtual world of "
+                             f"{self.world.world_size}")
+        self.per_rank = per_rank
+
+    # -- classes -------------------------------------------------------------------------------
+
+    def _classes(self) -> np.ndarray:
+        world = self.world
+        if self.per_rank:
+            return np.arange(world.world_size)
+        roles = world.roles()
+        keys = {r: id(self.graph.roles[r].dep_ptr) for r in roles}
+        dims = set()
+        for g in {id(g.dep_ptr): g for g in self.graph.roles.values()}.values():
+            for i in set(g.columns["dim"][g.columns["kind"] == NodeKind.COMM].tolist()):
+                dim = self.graph.string(int(i))
+                if dim not in _UNMATCHED and dim != "world":
+                    dims.add(dim)
+        labels = initial_labels(world, keys, self.slowdown)
+        return rank_classes(world, labels, dims)
+
+    # -- the replay ----------------------------------------------------------------------------
+
+    def run(self, keep_timelines: tuple[int, ...] = ()) -> SimResult:
+        start_wall = time.perf_counter()
+        world, graph = self.world, self.graph
+        class_of_rank = self._classes()
+        n_classes = int(class_of_rank.max()) + 1
+        first = np.full(n_classes, -1, dtype=np.int64)
+        order = np.argsort(class_of_rank, kind="stable")
+        sorted_classes = class_of_rank[order]
+        starts = np.searchsorted(sorted_classes, np.arange(n_classes))
+        first[:] = order[starts]
+        counts = np.bincount(class_of_rank, minlength=n_classes)
+        reps = first.tolist()
+        prepared: dict[int, _Prepared] = {}
+        plan = []
+        for rep in reps:
+            g = graph.graph_of(rep)
+            if id(g.dep_ptr) not in prepared:
+                prepared[id(g.dep_ptr)] = _prepare(graph, g)
+            plan.append(prepared[id(g.dep_ptr)])
+        slow = [self.slowdown.get(rep, 1.0) for rep in reps]
+        n = [len(p.kinds) for p in plan]
+        post = [[math.nan] * k for k in n]
+        fin = [[math.nan] * k for k in n]
+        why: list[list] = [[None] * k for k in n]
+        ptr = [0] * n_classes
+        partners: dict[tuple[int, str], tuple[int, ...]] = {}
+        placements: dict[tuple[int, str], Placement] = {}
+        pending: dict[tuple, dict[int, tuple[float, int]]] = {}
+        done: dict[tuple, tuple] = {}  # key -> (start, end, cause of the last arrival)
+
+        def group_info(c: int, dim: str):
+            key = (c, dim)
+            if key not in partners:
+                members = world.group(reps[c], dim) if dim != "world" else tuple(range(world.world_size))
+                partners[key] = tuple(sorted({int(class_of_rank[m]) for m in members}))
+                placements[key] = _placement(world, members)
+            return partners[key], placements[key]
+
+        def peer_class(c: int, dim: str, delta: int) -> tuple[int, int, int]:
+            members = world.group(reps[c], dim)
+            peer = members[(members.index(reps[c]) + delta) % len(members)]
+            return int(class_of_rank[peer]), peer, len(members)
+
+        remaining = n_classes
+        finished = [n[c] == 0 for c in range(n_classes)]
+        remaining -= sum(finished)
+        while remaining:
+            progressed = False
+            for c in range(n_classes):
+                if finished[c]:
+                    continue
+                p, i = plan[c], ptr[c]
+                P_post, P_fin, P_why = post[c], fin[c], why[c]
+                while i < n[c]:
+                    ready, cause = 0.0, None
+                    blocked = False
+                    for d in p.deps[i]:
+                        t = P_post[d] if (p.p2p[i] and p.p2p[d] and p.streams[d] == p.streams[i]) \
+                            else P_fin[d]
+                        if t != t:  # nan: not known yet
+                            blocked = True
+                            break
+                        if t > ready:
+                            ready, cause = t, (c, d)
+                    if blocked:
+                        break
+                    meta = p.comm[i]
+                    if meta is None:
+                        P_post[i] = ready
+                        P_fin[i] = ready + p.durations[i] * slow[c]
+                        P_why[i] = cause
+                        i += 1
+                        continue
+                    op, dim, nbytes, k, delta = meta
+                    if dim in _UNMATCHED:  # not a megatron group: local, costless
+                        P_post[i] = P_fin[i] = ready
+                        P_why[i] = cause
+                        i += 1
+                        continue
+                    if delta is None:
+                        members, placement = group_info(c, dim)
+                        key = (dim, members, k)
+                        if key not in done:
+                            arrived = pending.setdefault(key, {})
+                            arrived[c] = (ready, i, cause)
+                            if len(arrived) < len(members):
+                                P_post[i] = ready
+                                break
+                            t0, lcause = max(((v[0], v[2]) for v in arrived.values()), key=lambda x: x[0])
+                            end = t0 + self.cost.time(op, nbytes, placement)
+                            done[key] = (t0, end, lcause)
+                            del pending[key]
+                        t0, end, lcause = done[key]
+                        P_post[i] = t0  # when the operation runs (all members there)
+                        P_fin[i] = end
+                        P_why[i] = lcause
+                        i += 1
+                        continue
+                    # point to point: key by (sender class, receiver class, dim, offset, ordinal)
+                    other, peer, size = peer_class(c, dim, delta)
+                    send = op == "send"
+                    key = (c, other, dim, delta % size, k) if send else (other, c, dim, (-delta) % size, k)
+                    P_post[i] = ready
+                    slot = pending.setdefault(key, {})
+                    slot["send" if send else "recv"] = (ready, c, i, cause)
+                    if len(slot) == 2:
+                        (ts, sc, si, scause), (tr, rc, ri, rcause) = slot["send"], slot["recv"]
+                        end = max(ts, tr) + self.cost.time("send", nbytes, _placement(world, (reps[c], peer)))
+                        fin[sc][si] = fin[rc][ri] = end
+                        why[sc][si] = why[rc][ri] = (scause if ts >= tr else rcause)
+                        del pending[key]
+                    i += 1
+                if i != ptr[c]:
+                    progressed = True
+                    ptr[c] = i
+                if i >= n[c] and all(x == x for x in fin[c]):
+                    finished[c] = True
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = [(reps[c], plan[c].names[ptr[c]] if ptr[c] < n[c] else "(waiting on p2p)")
+                         for c in range(n_classes) if not finished[c]][:4]
+                raise SimulationError(f"the replay deadlocks: {len(stuck)}+ classes wait forever, e.g. "
+                                      f"rank {stuck[0][0]} at {stuck[0][1]}; the roles' communication "
+                                      "does not match up (capture the graph again)")
+        results = []
+        for c in range(n_classes):
+            results.append(_class_result(plan[c], post[c], fin[c], slow[c], int(counts[c]), reps[c]))
+        iteration = max(r.iteration_s for r in results)
+        result = SimResult(iteration_s=iteration, classes=results, class_of_rank=class_of_rank)
+        result.critical_path = _critical_path(plan, post, fin, why, results)
+        for rank in keep_timelines:
+            c = int(class_of_rank[rank])
+            result.timelines[rank] = (np.asarray(post[c]), np.asarray(fin[c]))
+        result.sim_wall_s = time.perf_counter() - start_wall
+        return result
+
+
+def _placement(world, members) -> Placement:
+    nodes: dict[int, int] = {}
+    for m in members:
+        node = m // world.gpus_per_node
+        nodes[node] = nodes.get(node, 0) + 1
+    return Placement(n=len(members), nodes=len(nodes), per_node=max(nodes.values()))
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _class_result(p: _Prepared, post: list, fin: list, slow: float, members: int, rep: int) -> ClassResult:
+    compute = [(post[i], fin[i]) for i in range(len(fin)) if p.comm[i] is None]
+    colls = [(post[i], fin[i]) for i in range(len(fin)) if p.comm[i] is not None and not p.p2p[i]]
+    iteration = max(fin) if fin else 0.0
+    busy = _union_length(compute)
+    both = _union_length(compute + colls)
+    return ClassResult(members=members, representative=rep, iteration_s=iteration,
+                       compute_s=sum(b - a for a, b in compute), exposed_comm_s=max(0.0, both - busy),
+                       bubble_s=max(0.0, iteration - both))
+
+
+def _critical_path(plan, post, fin, why, results, limit: int = 100000):
+    c = max(range(len(results)), key=lambda k: results[k].iteration_s)
+    if not fin[c]:
+        return []
+    i = max(range(len(fin[c])), key=lambda k: fin[c][k])
+    path = []
+    while i is not None and len(path) < limit:
+        path.append((c, plan[c].names[i], post[c][i], fin[c][i]))
+        nxt = why[c][i]
+        if nxt is None:
+            break
+        c, i = nxt
+    path.reverse()
+    return path
