@@ -7,6 +7,9 @@
                                                                          slice capture of the full graph
     prism-megatron export GRAPH [--perfetto PATH --ranks R,...] [--chakra DIR --ranks R,...]
                                                                          Perfetto / Chakra ET exports
+    prism-megatron simulate GRAPH [cluster=NAME] [cluster.KEY=V] [slowdown.RANK=F] [calibration=F]
+                   [--json PATH] [--csv PATH] [--perfetto PATH --ranks R,...]
+                                                                         replay all N ranks (DES)
 
 Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
 (one rank of a TP8 PP16 DP64 job of 8192 ranks). Bad input prints one line and exits with status 2.
@@ -39,9 +42,20 @@ def _parser() -> argparse.ArgumentParser:
                        ("world", "show a virtual rank's coordinates, role and groups"),
                        ("config", "print the resolved config (--keys: every key with its doc)"),
                        ("capture", "capture the full-scale execution graph by running roles as slices"),
-                       ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files")):
+                       ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files"),
+                       ("simulate", "replay a captured graph over all N ranks on a modelled cluster")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
+        if name == "simulate":
+            cmd.add_argument("graph", help="graph file written by `capture`")
+            cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                             help="cluster=dgx_h100|dgx_a100|h200x2|cpu_host|FILE, cluster.nic_Gbps=200, "
+                                  "slowdown.4711=1.5, calibration=FILE")
+            cmd.add_argument("--json", default=None, help="write the summary and per-class figures here")
+            cmd.add_argument("--csv", default=None, help="write one row per rank here")
+            cmd.add_argument("--perfetto", default=None, help="write the simulated timeline of --ranks")
+            cmd.add_argument("--ranks", default="0", help="ranks for --perfetto, e.g. 0,4711")
+            continue
         if name == "export":
             cmd.add_argument("graph", help="graph file written by `capture`")
             cmd.add_argument("--ranks", default="0", help="virtual ranks to export, e.g. 0,4711")
@@ -186,6 +200,71 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_simulate(args) -> int:
+    from prism_megatron.comm.cost import Calibration
+    from prism_megatron.graph import load_graph
+    from prism_megatron.graph.perfetto import write_chrome_trace
+    from prism_megatron.sim.cluster import load_cluster
+    from prism_megatron.sim.des import Simulator
+    from prism_megatron.sim.report import job_figures, parse_overrides
+
+    cluster_name, cluster_fields, slowdown, calibration_path = parse_overrides(args.overrides)
+    cluster = load_cluster(cluster_name or "dgx_h100", cluster_fields)
+    calibration = None
+    if calibration_path:
+        try:
+            calibration = Calibration.from_json(Path(calibration_path).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"calibration={calibration_path}: not a readable calibration file ({err}); "
+                              "write one with `prism-megatron calibrate`") from None
+    ranks = _ranks(args.ranks) if args.perfetto else []
+    graph = load_graph(args.graph)
+    world = graph.world
+    bad = [r for r in [*ranks, *slowdown] if not 0 <= r < world.world_size]
+    if bad:
+        raise ConfigError(f"ranks {bad} outside the virtual world of {world.world_size}; choose ranks "
+                          f"in 0..{world.world_size - 1}")
+    result = Simulator(graph, cluster.cost_model(calibration), slowdown=slowdown).run(tuple(ranks))
+    figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")), cluster)
+    summary = {**figures, "ranks": world.world_size, "classes": len(result.classes),
+               "sim_wall_s": round(result.sim_wall_s, 4), "cluster": cluster.name,
+               "calibration": calibration_path, "slowdown": {str(k): v for k, v in slowdown.items()},
+               "compute_durations_from": graph.meta.get("device", "?"),
+               "per_class": [dict(c.__dict__) for c in result.classes],
+               "critical_path": _critical_summary(result.critical_path)}
+    print(f"N={world.world_size} ranks as {len(result.classes)} classes on {cluster.name} "
+          f"(compute durations captured on {summary['compute_durations_from']}); simulated in "
+          f"{result.sim_wall_s:.3f} s")
+    print(f"iteration time {result.iteration_s * 1e3:.3f} ms | {figures['tokens_per_s_per_gpu']:.1f} "
+          f"tokens/s/GPU | MFU {figures['mfu'] * 100:.2f}%")
+    slowest = max(result.classes, key=lambda c: c.iteration_s)
+    print(f"slowest class (rank {slowest.representative}, {slowest.members} ranks): compute "
+          f"{slowest.compute_s * 1e3:.3f} ms, exposed comm {slowest.exposed_comm_s * 1e3:.3f} ms, "
+          f"bubble {slowest.bubble_s * 1e3:.3f} ms")
+    if args.json:
+        atomic_write_text(args.json, json.dumps(summary, indent=1))
+    if args.csv:
+        rows = ["rank,class,iteration_s,compute_s,exposed_comm_s,bubble_s"]
+        for rank, c in enumerate(result.class_of_rank.tolist()):
+            k = result.classes[c]
+            rows.append(f"{rank},{c},{k.iteration_s:.9g},{k.compute_s:.9g},{k.exposed_comm_s:.9g},"
+                        f"{k.bubble_s:.9g}")
+        atomic_write_text(args.csv, "\n".join(rows) + "\n")
+    if args.perfetto:
+        write_chrome_trace(graph, ranks, args.perfetto, times=result.timelines, source="simulated")
+    return 0
+
+
+def _critical_summary(path: list) -> dict:
+    """Time on the critical path by kind of node, and its length."""
+    share: dict[str, float] = {}
+    for _, name, start, end in path:
+        kind = "comm" if name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                                  "all_to_all", "send", "recv", "barrier") else "compute"
+        share[kind] = share.get(kind, 0.0) + max(0.0, end - start)
+    return {"nodes": len(path), "seconds_by_kind": share}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     # megatron-core warns on import that TE/Apex are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -196,7 +275,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from prism_megatron.graph.check import GraphFileError
 
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
-                "capture": _cmd_capture, "export": _cmd_export}
+                "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:

@@ -10,18 +10,25 @@ rank's role; the simulator (issue [C]) will export simulated timelines through t
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from typing import Iterable, Optional
+
+import numpy as np
 
 from prism_megatron.graph.model import NO_PEER, ExecutionGraph, NodeKind
 from prism_megatron.util import atomic_write_text
 
 
-def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int]) -> dict:
-    """The Chrome-trace document for `ranks` (virtual ranks of `graph.world`)."""
+def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], times: Optional[dict] = None,
+                 source: str = "captured") -> dict:
+    """The Chrome-trace document for `ranks` (virtual ranks of `graph.world`); `times[rank]` =
+    (start_s, end_s) arrays replace the captured times (a simulated timeline)."""
     events: list[dict] = []
     for rank in ranks:
         g = graph.graph_of(rank)
         cols = g.columns
+        if times and rank in times:
+            start, end = times[rank]
+            cols = dict(cols, start_s=np.asarray(start), duration_s=np.asarray(end) - np.asarray(start))
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank} {g.role}"}})
         tids: dict[int, int] = {}
@@ -48,6 +55,10 @@ def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int]) -> dict:
                            "args": {"name": "pipeline"}})
             for j in range(len(spans["name"])):
                 start, end = float(spans["start_s"][j]), float(spans["end_s"][j])
+                if times and rank in times:  # the simulated span: its first node's start to last's end
+                    first, last = int(spans["first"][j]), int(spans["last"][j])
+                    start = float(cols["start_s"][first])
+                    end = float(cols["start_s"][last] + cols["duration_s"][last])
                 label = (f"{graph.string(int(spans['name'][j]))} mb{int(spans['microbatch'][j])} "
                          f"chunk{int(spans['chunk'][j])}")
                 events.append({"ph": "X", "pid": rank, "tid": tid, "cat": "pipeline", "name": label,
@@ -55,14 +66,15 @@ def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int]) -> dict:
                                "args": {"first_node": int(spans["first"][j]),
                                         "last_node": int(spans["last"][j])}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"world_size": graph.world.world_size, "source": "captured"}}
+            "otherData": {"world_size": graph.world.world_size, "source": source}}
 
 
-def write_chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], path: str) -> None:
+def write_chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], path: str,
+                       times: Optional[dict] = None, source: str = "captured") -> None:
     """Write the trace of `ranks` to `path` atomically."""
     ranks = list(ranks)
     bad = [r for r in ranks if not 0 <= r < graph.world.world_size]
     if bad:
         raise ValueError(f"ranks {bad} are outside the virtual world of {graph.world.world_size}; "
                          f"choose ranks in 0..{graph.world.world_size - 1}")
-    atomic_write_text(path, json.dumps(chrome_trace(graph, ranks)))
+    atomic_write_text(path, json.dumps(chrome_trace(graph, ranks, times, source)))
