@@ -225,7 +225,8 @@ def _cmd_simulate(args) -> int:
         raise ConfigError(f"ranks {bad} outside the virtual world of {world.world_size}; choose ranks "
                           f"in 0..{world.world_size - 1}")
     result = Simulator(graph, cluster.cost_model(calibration), slowdown=slowdown).run(tuple(ranks))
-    figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")), cluster)
+    figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
+                          cluster)
     summary = {**figures, "ranks": world.world_size, "classes": len(result.classes),
                "sim_wall_s": round(result.sim_wall_s, 4), "cluster": cluster.name,
                "calibration": calibration_path, "slowdown": {str(k): v for k, v in slowdown.items()},

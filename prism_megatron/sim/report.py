@@ -20,8 +20,13 @@ from prism_megatron.sim.cluster import ClusterConfig
 
 def model_flops(config_yaml: str) -> tuple[float, int]:
     """(model FLOPs of one iteration, tokens of one iteration) from a graph's config."""
-    cfg = yaml.safe_load(config_yaml or "") or {}
-    m, t = cfg.get("model", {}), cfg.get("train", {})
+    try:
+        cfg = yaml.safe_load(config_yaml or "") or {}
+    except yaml.YAMLError:
+        cfg = {}
+    if not isinstance(cfg, dict):  # a graph without the job's config: no FLOPs to count
+        return 0.0, 0
+    m, t = cfg.get("model") or {}, cfg.get("train") or {}
     h, s, L = m.get("hidden_size", 0), m.get("seq_length", 0), m.get("num_layers", 0)
     V = m.get("vocab_size", 0)
     f = m.get("moe_ffn_hidden_size") if m.get("num_experts") else m.get("ffn_hidden_size")
