@@ -43,9 +43,18 @@ def _parser() -> argparse.ArgumentParser:
                        ("config", "print the resolved config (--keys: every key with its doc)"),
                        ("capture", "capture the full-scale execution graph by running roles as slices"),
                        ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files"),
-                       ("simulate", "replay a captured graph over all N ranks on a modelled cluster")):
+                       ("simulate", "replay a captured graph over all N ranks on a modelled cluster"),
+                       ("calibrate", "time real collectives here and fit the network cost model")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
+        if name == "calibrate":
+            cmd.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                             help="cuda: one process per GPU with NCCL; cpu: gloo processes")
+            cmd.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 2)")
+            cmd.add_argument("--min-bytes", default="1KiB", help="smallest size (default 1KiB)")
+            cmd.add_argument("--max-bytes", default=None, help="largest size (default 1GiB; 64MiB on CPU)")
+            cmd.add_argument("--out", required=True, help="calibration JSON to write")
+            continue
         if name == "simulate":
             cmd.add_argument("graph", help="graph file written by `capture`")
             cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -256,6 +265,33 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _cmd_calibrate(args) -> int:
+    import torch
+
+    from prism_megatron.comm.calibrate import calibrate, parse_size
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no GPU is visible; use --device cpu")
+    nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    if nproc < 2 or (device == "cuda" and nproc > torch.cuda.device_count()):
+        limit = f" and at most the {torch.cuda.device_count()} GPUs" if device == "cuda" else ""
+        raise ConfigError(f"--nproc {nproc}: expected 2 or more processes{limit}")
+    low = parse_size(args.min_bytes)
+    high = parse_size(args.max_bytes or ("1GiB" if device == "cuda" else "64MiB"))
+    if not low or not high or low > high:
+        raise ConfigError(f"sizes {args.min_bytes!r}..{args.max_bytes!r}: expected e.g. --min-bytes 1KiB "
+                          "--max-bytes 1GiB, smallest first")
+    data = calibrate(device, nproc, low, high, args.out)
+    print(f"calibrated {data['device']}: {len(data['points'])} points -> {args.out}")
+    for key, fit in sorted(data["fits"].items()):
+        rows = [r for r in data["table"] if f"{r['op']}/{r['link']}" == key and r["bytes"] >= (1 << 20)]
+        worst = max((abs(r["error"]) for r in rows), default=0.0)
+        print(f"  {key:>22}: latency {fit['latency_s'] * 1e6:8.1f} us, bus bandwidth "
+              f"{fit['busbw_Bps'] / 1e9:8.2f} GB/s, worst model error >= 1 MiB {worst * 100:5.1f}%")
+    return 0
+
+
 def _critical_summary(path: list) -> dict:
     """Time on the critical path by kind of node, and its length."""
     share: dict[str, float] = {}
@@ -276,7 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from prism_megatron.graph.check import GraphFileError
 
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
-                "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate}
+                "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate,
+                "calibrate": _cmd_calibrate}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:

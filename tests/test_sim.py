@@ -58,11 +58,11 @@ def test_large_ring_all_reduce_runs_at_link_bandwidth_and_small_ones_pick_low_la
 
 def test_calibration_fit_recovers_latency_and_bandwidth():
     sizes = (1 << 20, 1 << 24, 1 << 30)
-    points = [{"op": "all_reduce", "n": 2, "link": "nvlink", "bytes": s,
+    points = [{"op": "all_reduce", "n": 2, "link": "intra", "bytes": s,
                "time_s": 20e-6 + bus_factor("all_reduce", 2) * s / 300e9} for s in sizes]
     cal = Calibration(points=points)
     cal.fit()
-    fit = cal.lookup("all_reduce", "nvlink")
+    fit = cal.lookup("all_reduce", "intra")
     assert fit["latency_s"] == pytest.approx(20e-6, rel=1e-6) and fit["busbw_Bps"] == pytest.approx(300e9)
     cost = CostModel(nvlink_Bps=1e9, net_Bps=1e9, calibration=Calibration.from_json(cal.to_json()))
     assert cost.time("all_reduce", 1 << 26, Placement(n=2, nodes=1, per_node=2)) == pytest.approx(

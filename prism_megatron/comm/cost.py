@@ -33,10 +33,10 @@ EFFICIENCY = {"LL": 0.5, "LL128": 120 / 128, "Simple": 1.0}
 BASE_LAT_US = {"tree": {"LL": 6.8, "LL128": 14.0, "Simple": 14.0},
                "ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
                "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 25.0}}
-HW_LAT_US = {"nvlink": {"tree": {"LL": 0.52, "LL128": 1.25, "Simple": 28.0},
+HW_LAT_US = {"intra": {"tree": {"LL": 0.52, "LL128": 1.25, "Simple": 28.0},
                         "ring": {"LL": 0.47, "LL128": 1.9, "Simple": 3.4},
                         "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 25.0}},
-             "net": {"tree": {"LL": 5.0, "LL128": 8.5, "Simple": 14.0},
+             "inter": {"tree": {"LL": 5.0, "LL128": 8.5, "Simple": 14.0},
                      "ring": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0},
                      "nvls": {"LL": 0.0, "LL128": 0.0, "Simple": 0.0}}}
 # NVLink SHARP all-reduce moves about 1.3x the bus bandwidth of a ring on the same links (DGX H100:
@@ -67,7 +67,7 @@ class Link:
     """One kind of path: per-GPU unidirectional bandwidth and the latency of one hop."""
 
     bandwidth_Bps: float
-    kind: str  # nvlink | net
+    kind: str  # intra (NVLink, or loopback on a CPU host) | inter (NICs)
     extra_latency_us: float = 0.0
 
 
@@ -149,12 +149,12 @@ class CostModel:
 
     def link(self, placement: Placement) -> Link:
         if placement.intra_node:
-            return Link(self.nvlink_Bps, "nvlink")
+            return Link(self.nvlink_Bps, "intra")
         bandwidth, extra = self.net_Bps, 2 * self.switch_latency_us
         if placement.nodes > self.nodes_per_leaf:  # through the spine
             bandwidth /= self.oversubscription
             extra += 2 * self.switch_latency_us
-        return Link(bandwidth, "net", extra)
+        return Link(bandwidth, "inter", extra)
 
     def choices(self, op: str, nbytes: int, placement: Placement) -> dict[tuple[str, str], float]:
         """Predicted time of every (algorithm, protocol) NCCL could use for this op."""

@@ -1,0 +1,156 @@
+"""`prism-megatron calibrate`: time real collectives on the devices present, fit the cost model.
+
+P worker processes (one per GPU with NCCL, or P CPU processes with gloo) time all_reduce, all_gather,
+reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes`
+(powers of two; sizes in nccl-tests' convention), each the median of several timed repetitions after
+warm-up, bracketed by a barrier and measured with CUDA events on GPU (perf_counter on CPU). Rank 0
+writes the points, the fitted (latency, bus bandwidth) per (op, link) and a table of model against
+measurement to a JSON file, atomically. All processes of this machine are one node, so every fit is
+for the `intra` link kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from typing import Optional
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _time_op(dist, torch, op: str, nbytes: int, world: int, rank: int, device: str,
+             min_time_s: float) -> float:
+    elems = max(world, nbytes // 4 // world * world)
+    buf = torch.ones(elems, dtype=torch.float32, device=device)
+    shard = torch.ones(elems // world, dtype=torch.float32, device=device)
+    out = torch.empty_like(buf)
+
+    def run():
+        if op == "all_reduce":
+            dist.all_reduce(buf)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(buf, shard)
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(shard, buf)
+        elif op == "broadcast":
+            dist.broadcast(buf, src=0)
+        elif op == "all_to_all":
+            dist.all_to_all_single(out, buf)
+        elif op == "send":  # ranks 0 and 1 exchange; the others idle
+            if rank == 0:
+                dist.send(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(2):
+        run()
+    sync()
+    def timed() -> float:
+        dist.barrier()
+        sync()
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run()
+            end.record()
+            sync()
+            return begin.elapsed_time(end) * 1e-3
+        t0 = time.perf_counter()
+        run()
+        return time.perf_counter() - t0
+
+    # Every rank must run the same number of repetitions: agree on it from a first sample.
+    first = torch.tensor([timed()], dtype=torch.float64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    reps = int(min(50, max(5, min_time_s / max(float(first.item()), 1e-9))))
+    samples = [timed() for _ in range(reps)]
+    local = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)  # an op ends when its slowest rank does
+    return float(local.item())
+
+
+def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out_path: str,
+            min_time_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    points = []
+    for op in OPS:
+        for nbytes in sizes:
+            t = _time_op(dist, torch, op, nbytes, world, rank, device, min_time_s)
+            n = 2 if op == "send" else world
+            points.append({"op": op, "n": n, "link": "intra", "bytes": nbytes, "time_s": t})
+    if rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(points, handle)
+    dist.destroy_process_group()
+
+
+def calibrate(device: str, nproc: int, min_bytes: int, max_bytes: int, out: str,
+              min_time_s: float = 0.05, fit_min_bytes: int = 1 << 20) -> dict:
+    """Measure, fit, write `out` (JSON); returns the file's content."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from prism_megatron.comm.cost import Calibration, CostModel, Placement
+    from prism_megatron.util import atomic_write_text
+
+    sizes = []
+    s = min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 2
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "points.json")
+        mp.start_processes(_worker, args=(nproc, device, _free_port(), sizes, raw, min_time_s),
+                           nprocs=nproc, join=True, start_method="spawn")
+        with open(raw) as handle:
+            points = json.load(handle)
+    cal = Calibration(points=points, device=_describe(device, nproc))
+    cal.fit(min_bytes=fit_min_bytes)
+    model = CostModel(nvlink_Bps=1.0, net_Bps=1.0, calibration=cal)
+    table = []
+    for p in points:
+        predicted = model.time(p["op"], p["bytes"], Placement(n=p["n"], nodes=1, per_node=p["n"]))
+        table.append({**p, "model_s": predicted, "error": predicted / p["time_s"] - 1})
+    data = json.loads(cal.to_json())
+    data["table"] = table
+    data["fit_min_bytes"] = fit_min_bytes
+    atomic_write_text(out, json.dumps(data, indent=1))
+    return data
+
+
+def _describe(device: str, nproc: int) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{nproc}x {torch.cuda.get_device_name(0)} (NCCL, torch {torch.__version__})"
+    return f"{nproc} CPU processes on {os.cpu_count()} cores (gloo, torch {torch.__version__})"
+
+
+def parse_size(text: str) -> Optional[int]:
+    """'1KiB', '64MiB', '1GiB' or a plain byte count."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower()
+    for unit, factor in units.items():
+        if t.endswith(unit) and t[: -len(unit)].isdigit():
+            return int(t[: -len(unit)]) * factor
+    return int(t) if t.isdigit() else None
