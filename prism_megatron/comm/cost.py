@@ -90,40 +90,48 @@ class Calibration:
     """Measured (latency, bus bandwidth) per (op, link kind): replaces the spec model for that op.
 
     File (JSON): {"device": ..., "points": [{"op", "n", "link", "bytes", "time_s"}...], "fits": {
-    "<op>/<link>": {"latency_s", "busbw_Bps"}}}; `fit()` derives the fits from the points.
+    "<op>/<link>": {"segments": [{"from_bytes", "latency_s", "busbw_Bps"}, ...]}}}; `fit()` derives
+    the fits from the points.
     """
 
     points: list[dict] = field(default_factory=list)
     fits: dict[str, dict] = field(default_factory=dict)
     device: str = ""
 
-    def fit(self, min_bytes: int = 1 << 20) -> None:
-        """Least squares of time = latency + bus_bytes / busbw over points >= `min_bytes`, in
-        relative error (each point weighted by 1/time), per (op, link)."""
+    def fit(self, min_bytes: int = 1 << 20, sizes: Optional[set[int]] = None) -> None:
+        """Per (op, link), over points >= `min_bytes` (and in `sizes` if given): time = latency +
+        bus_bytes / busbw, least squares in relative error, in one segment or two. NCCL changes
+        protocol (LL128 to Simple) and channel count with the size, so the fit may split the sizes
+        in two at the point that minimizes the worst relative error; each segment keeps >= 3 points."""
         groups: dict[str, list[dict]] = {}
         for p in self.points:
-            if p["bytes"] >= min_bytes:
+            if p["bytes"] >= min_bytes and (sizes is None or p["bytes"] in sizes):
                 groups.setdefault(f"{p['op']}/{p['link']}", []).append(p)
         for key, pts in groups.items():
-            # minimize sum((a + b*x - t)/t)^2 with x = bus bytes, b = 1/busbw
-            rows = [(1.0 / p["time_s"], bus_factor(p["op"], p["n"]) * p["bytes"] / p["time_s"])
-                    for p in pts]
-            s11 = sum(r[0] * r[0] for r in rows)
-            s12 = sum(r[0] * r[1] for r in rows)
-            s22 = sum(r[1] * r[1] for r in rows)
-            y1 = sum(r[0] for r in rows)
-            y2 = sum(r[1] for r in rows)
-            det = s11 * s22 - s12 * s12
-            if len(pts) < 2 or abs(det) < 1e-30:
-                continue
-            a = (y1 * s22 - y2 * s12) / det
-            b = (s11 * y2 - s12 * y1) / det
-            if b <= 0:
-                continue
-            self.fits[key] = {"latency_s": max(a, 0.0), "busbw_Bps": 1.0 / b, "points": len(pts)}
+            pts = sorted(pts, key=lambda p: p["bytes"])
+            best = None
+            for cut in [0] + list(range(3, len(pts) - 2)):
+                parts = [pts[:cut], pts[cut:]] if cut else [pts]
+                segments = [_fit_segment(part) for part in parts]
+                if any(s is None for s in segments):
+                    continue
+                worst = max(abs(_segment_time(seg, p) / p["time_s"] - 1)
+                            for seg, part in zip(segments, parts) for p in part)
+                if best is None or worst < best[0] - 1e-3:  # two segments only if clearly better
+                    best = (worst, segments)
+            if best is not None:
+                self.fits[key] = {"segments": best[1], "points": len(pts), "worst_error": best[0]}
 
-    def lookup(self, op: str, link: str) -> Optional[dict]:
-        return self.fits.get(f"{op}/{link}")
+    def lookup(self, op: str, link: str, nbytes: int = 0) -> Optional[dict]:
+        """The fitted (latency_s, busbw_Bps) segment for an op of `nbytes`, or None."""
+        fit = self.fits.get(f"{op}/{link}")
+        if fit is None:
+            return None
+        chosen = fit["segments"][0]
+        for seg in fit["segments"]:
+            if nbytes >= seg["from_bytes"]:
+                chosen = seg
+        return chosen
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "points": self.points, "fits": self.fits}, indent=1)
@@ -190,7 +198,7 @@ class CostModel:
         if op == "barrier":
             op, nbytes = "all_reduce", 4
         link = self.link(placement).kind
-        fit = self.calibration.lookup(op, link) if self.calibration else None
+        fit = self.calibration.lookup(op, link, nbytes) if self.calibration else None
         if fit is not None:
             return fit["latency_s"] + bus_factor(op, placement.n) * nbytes / fit["busbw_Bps"]
         return min(self.choices(op, nbytes, placement).values())
@@ -198,6 +206,30 @@ class CostModel:
     def choice(self, op: str, nbytes: int, placement: Placement) -> tuple[str, str]:
         table = self.choices(op, nbytes, placement)
         return min(table, key=table.get)
+
+
+def _fit_segment(pts: list[dict]) -> Optional[dict]:
+    """Least squares of time = a + b * bus_bytes in relative error (rows weighted by 1/time)."""
+    if len(pts) < 2:
+        return None
+    rows = [(1.0 / p["time_s"], bus_factor(p["op"], p["n"]) * p["bytes"] / p["time_s"]) for p in pts]
+    s11 = sum(r[0] * r[0] for r in rows)
+    s12 = sum(r[0] * r[1] for r in rows)
+    s22 = sum(r[1] * r[1] for r in rows)
+    y1 = sum(r[0] for r in rows)
+    y2 = sum(r[1] for r in rows)
+    det = s11 * s22 - s12 * s12
+    if abs(det) < 1e-30:
+        return None
+    a = (y1 * s22 - y2 * s12) / det
+    b = (s11 * y2 - s12 * y1) / det
+    if b <= 0:
+        return None
+    return {"from_bytes": pts[0]["bytes"], "latency_s": max(a, 0.0), "busbw_Bps": 1.0 / b}
+
+
+def _segment_time(seg: dict, p: dict) -> float:
+    return seg["latency_s"] + bus_factor(p["op"], p["n"]) * p["bytes"] / seg["busbw_Bps"]
 
 
 def _steps(algo: str, op: str, placement: Placement) -> float:

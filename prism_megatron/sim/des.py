@@ -108,8 +108,15 @@ class Simulator:
     """Replays `graph` on a cluster described by `cost` (see the module docstring)."""
 
     def __init__(self, graph: ExecutionGraph, cost: CostModel, *,
-                 slowdown: Optional[dict[int, float]] = None, per_rank: bool = False) -> None:
+                 slowdown: Optional[dict[int, float]] = None, per_rank: bool = False,
+                 rank_graphs: Optional[dict[int, RoleGraph]] = None,
+                 start_s: Optional[dict[int, float]] = None) -> None:
+        """`rank_graphs`: graphs of individual ranks (recorded on every rank of a real run) that
+        replace their role's graph; they use `graph.strings`. `start_s`: when those ranks began the
+        iteration (default 0: all together); a rank's iteration time is counted from its start."""
         self.graph, self.cost, self.world = graph, cost, graph.world
+        self.rank_graphs = dict(rank_graphs or {})
+        self.start_s = {int(k): float(v) for k, v in (start_s or {}).items()}
         self.slowdown = {int(k): float(v) for k, v in (slowdown or {}).items()}
         bad = [r for r in self.slowdown if not 0 <= r < self.world.world_size]
         if bad:
@@ -126,13 +133,23 @@ class Simulator:
         roles = world.roles()
         keys = {r: id(self.graph.roles[r].dep_ptr) for r in roles}
         dims = set()
-        for g in {id(g.dep_ptr): g for g in self.graph.roles.values()}.values():
+        graphs = [*self.graph.roles.values(), *self.rank_graphs.values()]
+        for g in {id(g.dep_ptr): g for g in graphs}.values():
             for i in set(g.columns["dim"][g.columns["kind"] == NodeKind.COMM].tolist()):
                 dim = self.graph.string(int(i))
                 if dim not in _UNMATCHED and dim != "world":
                     dims.add(dim)
-        labels = initial_labels(world, keys, self.slowdown)
+        labels = initial_labels(world, keys, {**self.slowdown, **{r: ("start", t) for r, t in
+                                                                   self.start_s.items()}})
+        if self.rank_graphs:  # ranks with their own graph start in classes of their own
+            ids: dict[int, int] = {}
+            base = int(labels.max()) + 1
+            for rank, g in self.rank_graphs.items():
+                labels[rank] = base + ids.setdefault(id(g.dep_ptr), len(ids))
         return rank_classes(world, labels, dims)
+
+    def _graph_of(self, rank: int) -> RoleGraph:
+        return self.rank_graphs.get(rank) or self.graph.graph_of(rank)
 
     # -- the replay ----------------------------------------------------------------------------
 
@@ -151,11 +168,12 @@ class Simulator:
         prepared: dict[int, _Prepared] = {}
         plan = []
         for rep in reps:
-            g = graph.graph_of(rep)
+            g = self._graph_of(rep)
             if id(g.dep_ptr) not in prepared:
                 prepared[id(g.dep_ptr)] = _prepare(graph, g)
             plan.append(prepared[id(g.dep_ptr)])
         slow = [self.slowdown.get(rep, 1.0) for rep in reps]
+        offset = [self.start_s.get(rep, 0.0) for rep in reps]
         n = [len(p.kinds) for p in plan]
         post = [[math.nan] * k for k in n]
         fin = [[math.nan] * k for k in n]
@@ -175,7 +193,7 @@ class Simulator:
             return partners[key], placements[key]
 
         def peer_class(c: int, dim: str, delta: int) -> tuple[int, int, int]:
-            members = world.group(reps[c], dim)
+            members = world.group(reps[c], dim) if dim != "world" else tuple(range(world.world_size))
             peer = members[(members.index(reps[c]) + delta) % len(members)]
             return int(class_of_rank[peer]), peer, len(members)
 
@@ -190,7 +208,7 @@ class Simulator:
                 p, i = plan[c], ptr[c]
                 P_post, P_fin, P_why = post[c], fin[c], why[c]
                 while i < n[c]:
-                    ready, cause = 0.0, None
+                    ready, cause = offset[c], None
                     blocked = False
                     for d in p.deps[i]:
                         t = P_post[d] if (p.p2p[i] and p.p2p[d] and p.streams[d] == p.streams[i]) \
@@ -263,7 +281,7 @@ class Simulator:
                                       "does not match up (capture the graph again)")
         results = []
         for c in range(n_classes):
-            results.append(_class_result(plan[c], post[c], fin[c], slow[c], int(counts[c]), reps[c]))
+            results.append(_class_result(plan[c], post[c], fin[c], offset[c], int(counts[c]), reps[c]))
         iteration = max(r.iteration_s for r in results)
         result = SimResult(iteration_s=iteration, classes=results, class_of_rank=class_of_rank)
         result.critical_path = _critical_path(plan, post, fin, why, results)
@@ -292,15 +310,16 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _class_result(p: _Prepared, post: list, fin: list, slow: float, members: int, rep: int) -> ClassResult:
+def _class_result(p: _Prepared, post: list, fin: list, offset: float, members: int,
+                  rep: int) -> ClassResult:
     compute = [(post[i], fin[i]) for i in range(len(fin)) if p.comm[i] is None]
     colls = [(post[i], fin[i]) for i in range(len(fin)) if p.comm[i] is not None and not p.p2p[i]]
-    iteration = max(fin) if fin else 0.0
+    iteration = max(fin) - offset if fin else 0.0
     busy = _union_length(compute)
     both = _union_length(compute + colls)
     return ClassResult(members=members, representative=rep, iteration_s=iteration,
                        compute_s=sum(b - a for a, b in compute), exposed_comm_s=max(0.0, both - busy),
-                       bubble_s=max(0.0, iteration - both))
+                       bubble_s=max(0.0, iteration - both))  # (intervals lie after the offset)
 
 
 def _critical_path(plan, post, fin, why, results, limit: int = 100000):

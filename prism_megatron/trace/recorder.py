@@ -128,6 +128,12 @@ class Recorder:
             self.iterations.append(self._cur)
             self._pending = {}
 
+    def origin_s(self, iteration: int = -1) -> Optional[float]:
+        """The host clock (perf_counter, one clock for every process of a machine) at the start of
+        `iteration`, when the device clock is the host's; None otherwise."""
+        origin = self.iterations[iteration].origin if self.iterations else None
+        return float(origin) if isinstance(origin, float) else None
+
     @property
     def label(self) -> str:
         """The innermost open label (what a compute segment ending now is named)."""
