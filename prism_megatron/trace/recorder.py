@@ -69,8 +69,13 @@ class RecorderError(RuntimeError):
 class Recorder:
     """Collects one rank's events; `build` turns one iteration into a RoleGraph."""
 
-    def __init__(self, clock: Any, allocated_bytes: Callable[[], int]) -> None:
+    def __init__(self, clock: Any, allocated_bytes: Callable[[], int],
+                 blocking_collectives: Optional[bool] = None) -> None:
+        """`blocking_collectives`: the host thread is held until a collective completes (gloo on
+        CPU: the next compute depends on the collective itself); default: when the clock is the
+        host's. On GPU a collective only joins the compute stream where it is waited for."""
         self.clock = clock
+        self.blocking = (clock.kind == "cpu") if blocking_collectives is None else blocking_collectives
         self._allocated = allocated_bytes
         self._lock = threading.RLock()
         now = clock.mark()
@@ -171,6 +176,8 @@ class Recorder:
                 return
             node.t1 = now
             self._seg_start = now
+            if self.blocking and node.peer_delta is None:  # the call returned when the op was done
+                self._pending.setdefault(self.clock.stream(), []).append(len(it.nodes) - 1)
             if work is not None:
                 self._works[id(work)] = (work, it, len(it.nodes) - 1)
 
