@@ -285,10 +285,12 @@ def _cmd_calibrate(args) -> int:
     data = calibrate(device, nproc, low, high, args.out)
     print(f"calibrated {data['device']}: {len(data['points'])} points -> {args.out}")
     for key, fit in sorted(data["fits"].items()):
-        rows = [r for r in data["table"] if f"{r['op']}/{r['link']}" == key and r["bytes"] >= (1 << 20)]
+        rows = [r for r in data["table"] if f"{r['op']}/{r['link']}/{r['n']}" == key
+                and r["bytes"] >= (1 << 20)]
         worst = max((abs(r["error"]) for r in rows), default=0.0)
-        print(f"  {key:>22}: latency {fit['latency_s'] * 1e6:8.1f} us, bus bandwidth "
-              f"{fit['busbw_Bps'] / 1e9:8.2f} GB/s, worst model error >= 1 MiB {worst * 100:5.1f}%")
+        segments = ", ".join(f">={seg['from_bytes']} B: {seg['latency_s'] * 1e6:.1f} us + "
+                             f"{seg['busbw_Bps'] / 1e9:.2f} GB/s" for seg in fit["segments"])
+        print(f"  {key:>24}: {segments}; worst model error >= 1 MiB {worst * 100:5.1f}%")
     return 0
 
 

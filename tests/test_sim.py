@@ -62,7 +62,7 @@ def test_calibration_fit_recovers_latency_and_bandwidth():
                "time_s": 20e-6 + bus_factor("all_reduce", 2) * s / 300e9} for s in sizes]
     cal = Calibration(points=points)
     cal.fit()
-    fit = cal.lookup("all_reduce", "intra", 1 << 26)
+    fit = cal.lookup("all_reduce", "intra", 1 << 26, 2)
     assert fit["latency_s"] == pytest.approx(20e-6, rel=1e-6) and fit["busbw_Bps"] == pytest.approx(300e9)
     cost = CostModel(nvlink_Bps=1e9, net_Bps=1e9, calibration=Calibration.from_json(cal.to_json()))
     assert cost.time("all_reduce", 1 << 26, Placement(n=2, nodes=1, per_node=2)) == pytest.approx(

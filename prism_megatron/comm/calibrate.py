@@ -1,7 +1,8 @@
 """`prism-megatron calibrate`: time real collectives on the devices present, fit the cost model.
 
 P worker processes (one per GPU with NCCL, or P CPU processes with gloo) time all_reduce, all_gather,
-reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes`
+reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes`, for
+every group size k dividing P (P/k groups at once, as the groups of one parallel dim run together)
 (powers of two; sizes in nccl-tests' convention), each the median of several timed repetitions after
 warm-up, bracketed by a barrier and measured with CUDA events on GPU (perf_counter on CPU). Rank 0
 writes the points, the fitted (latency, bus bandwidth) per (op, link) and a table of model against
@@ -27,29 +28,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _time_op(dist, torch, op: str, nbytes: int, world: int, rank: int, device: str,
+def _time_op(dist, torch, op: str, nbytes: int, members: list[int], group, rank: int, device: str,
              min_time_s: float) -> float:
-    elems = max(world, nbytes // 4 // world * world)
+    """Time `op` on `group` (this rank's group of `members`) while every other group of the same
+    size runs it too, as the groups of one parallel dim do in training."""
+    k = len(members)
+    elems = max(k, nbytes // 4 // k * k)
     buf = torch.ones(elems, dtype=torch.float32, device=device)
-    shard = torch.ones(elems // world, dtype=torch.float32, device=device)
+    shard = torch.ones(elems // k, dtype=torch.float32, device=device)
     out = torch.empty_like(buf)
 
     def run():
         if op == "all_reduce":
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=group)
         elif op == "all_gather":
-            dist.all_gather_into_tensor(buf, shard)
+            dist.all_gather_into_tensor(buf, shard, group=group)
         elif op == "reduce_scatter":
-            dist.reduce_scatter_tensor(shard, buf)
+            dist.reduce_scatter_tensor(shard, buf, group=group)
         elif op == "broadcast":
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=members[0], group=group)
         elif op == "all_to_all":
-            dist.all_to_all_single(out, buf)
-        elif op == "send":  # ranks 0 and 1 exchange; the others idle
-            if rank == 0:
-                dist.send(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
+            dist.all_to_all_single(out, buf, group=group)
+        elif op == "send":  # pairs (0, 1), (2, 3), ... exchange at once
+            pos = members.index(rank)
+            if pos % 2 == 0 and pos + 1 < k:
+                dist.send(buf, members[pos + 1], group=group)
+            elif pos % 2 == 1:
+                dist.recv(buf, members[pos - 1], group=group)
 
     def sync():
         if device == "cuda":
@@ -92,11 +97,18 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     points = []
-    for op in OPS:
-        for nbytes in sizes:
-            t = _time_op(dist, torch, op, nbytes, world, rank, device, min_time_s)
-            n = 2 if op == "send" else world
-            points.append({"op": op, "n": n, "link": "intra", "bytes": nbytes, "time_s": t})
+    for k in [d for d in range(2, world + 1) if world % d == 0]:
+        partitions = [list(range(g, g + k)) for g in range(0, world, k)]
+        groups = [dist.new_group(p) for p in partitions]  # every rank creates every group
+        mine = next(i for i, p in enumerate(partitions) if rank in p)
+        for op in OPS:
+            if op == "send" and k != 2:
+                continue
+            for nbytes in sizes:
+                t = _time_op(dist, torch, op, nbytes, partitions[mine], groups[mine], rank, device,
+                             min_time_s)
+                points.append({"op": op, "n": k, "link": "intra", "bytes": nbytes, "time_s": t,
+                               "concurrent_groups": world // k})
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(points, handle)

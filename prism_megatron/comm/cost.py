@@ -90,8 +90,8 @@ class Calibration:
     """Measured (latency, bus bandwidth) per (op, link kind): replaces the spec model for that op.
 
     File (JSON): {"device": ..., "points": [{"op", "n", "link", "bytes", "time_s"}...], "fits": {
-    "<op>/<link>": {"segments": [{"from_bytes", "latency_s", "busbw_Bps"}, ...]}}}; `fit()` derives
-    the fits from the points.
+    "<op>/<link>/<n>": {"segments": [{"from_bytes", "latency_s", "busbw_Bps"}, ...]}}}; `fit()`
+    derives the fits from the points, one per group size measured.
     """
 
     points: list[dict] = field(default_factory=list)
@@ -106,7 +106,7 @@ class Calibration:
         groups: dict[str, list[dict]] = {}
         for p in self.points:
             if p["bytes"] >= min_bytes and (sizes is None or p["bytes"] in sizes):
-                groups.setdefault(f"{p['op']}/{p['link']}", []).append(p)
+                groups.setdefault(f"{p['op']}/{p['link']}/{p['n']}", []).append(p)
         for key, pts in groups.items():
             pts = sorted(pts, key=lambda p: p["bytes"])
             best = None
@@ -122,9 +122,14 @@ class Calibration:
             if best is not None:
                 self.fits[key] = {"segments": best[1], "points": len(pts), "worst_error": best[0]}
 
-    def lookup(self, op: str, link: str, nbytes: int = 0) -> Optional[dict]:
-        """The fitted (latency_s, busbw_Bps) segment for an op of `nbytes`, or None."""
-        fit = self.fits.get(f"{op}/{link}")
+    def lookup(self, op: str, link: str, nbytes: int = 0, n: int = 0) -> Optional[dict]:
+        """The fitted (latency_s, busbw_Bps) segment for an op of `nbytes` on `n` ranks: the fit
+        for that group size, else the one of the nearest size measured; None if the op was not."""
+        fit = self.fits.get(f"{op}/{link}/{n}")
+        if fit is None:
+            sizes = [(abs(int(k.rsplit("/", 1)[1]) - n), k) for k in self.fits
+                     if k.startswith(f"{op}/{link}/")]
+            fit = self.fits[min(sizes)[1]] if sizes else self.fits.get(f"{op}/{link}")
         if fit is None:
             return None
         chosen = fit["segments"][0]
@@ -198,7 +203,7 @@ class CostModel:
         if op == "barrier":
             op, nbytes = "all_reduce", 4
         link = self.link(placement).kind
-        fit = self.calibration.lookup(op, link, nbytes) if self.calibration else None
+        fit = self.calibration.lookup(op, link, nbytes, placement.n) if self.calibration else None
         if fit is not None:
             return fit["latency_s"] + bus_factor(op, placement.n) * nbytes / fit["busbw_Bps"]
         return min(self.choices(op, nbytes, placement).values())
