@@ -147,3 +147,35 @@ def test_simulate_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert proc.returncode == 2
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_calibrate_on_cpu_measures_every_op_and_group_size(tmp_path):
+    out = tmp_path / "cal.json"
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "calibrate", "--device", "cpu",
+                           "--nproc", "2", "--min-bytes", "1KiB", "--max-bytes", "8KiB", "--out", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    ops = {(p["op"], p["n"]) for p in data["points"]}
+    assert ops == {(op, 2) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                      "all_to_all", "send")}
+    assert {p["bytes"] for p in data["points"]} == {1024, 2048, 4096, 8192}
+    assert all(p["time_s"] > 0 for p in data["points"]) and len(data["table"]) == len(data["points"])
+    cal = Calibration.from_json(out.read_text())
+    cal.fit(min_bytes=1024)
+    assert cal.lookup("all_reduce", "intra", 4096, 2)["busbw_Bps"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-bytes", "lots"], "smallest first"),
+    (["--min-bytes", "8KiB", "--max-bytes", "1KiB"], "smallest first"),
+    (["--nproc", "1"], "2 or more processes"),
+])
+def test_calibrate_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "calibrate", "--device", "cpu",
+                           "--out", str(tmp_path / "c.json"), *args],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 2
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "c.json").exists()
