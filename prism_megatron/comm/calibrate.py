@@ -4,7 +4,9 @@ P worker processes (one per GPU with NCCL, or P CPU processes with gloo) time al
 reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes`, for
 every group size k dividing P (P/k groups at once, as the groups of one parallel dim run together)
 (powers of two; sizes in nccl-tests' convention), each the median of several timed repetitions after
-warm-up, bracketed by a barrier and measured with CUDA events on GPU (perf_counter on CPU). Rank 0
+warm-up, bracketed by a barrier and measured with CUDA events on GPU (perf_counter on CPU). On CPU the workers wait as the CPU runtime
+does (`runtime/cpu.py`: a 0.5 ms settle after each blocking wait, for reproducible memory), so the
+costs are those the recorded CPU runs pay. Rank 0
 writes the points, the fitted (latency, bus bandwidth) per (op, link) and a table of model against
 measurement to a JSON file, atomically. All processes of this machine are one node, so every fit is
 for the `intra` link kind.
@@ -95,6 +97,11 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
+    else:  # measure gloo as the CPU runtime runs it: with its settle after each blocking wait
+        from prism_megatron.runtime.cpu import CpuRuntime, _settling_wait
+
+        work = torch._C._distributed_c10d.Work
+        work.wait = _settling_wait(work.wait, CpuRuntime.settle_after_wait_s)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     points = []
     for k in [d for d in range(2, world + 1) if world % d == 0]:
