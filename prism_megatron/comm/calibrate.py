@@ -1,15 +1,15 @@
 """`prism-megatron calibrate`: time real collectives on the devices present, fit the cost model.
 
 P worker processes (one per GPU with NCCL, or P CPU processes with gloo) time all_reduce, all_gather,
-reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes`, for
-every group size k dividing P (P/k groups at once, as the groups of one parallel dim run together)
-(powers of two; sizes in nccl-tests' convention), each the median of several timed repetitions after
-warm-up, bracketed by a barrier and measured with CUDA events on GPU (perf_counter on CPU). On CPU the workers wait as the CPU runtime
-does (`runtime/cpu.py`: a 0.5 ms settle after each blocking wait, for reproducible memory), so the
-costs are those the recorded CPU runs pay. Rank 0
-writes the points, the fitted (latency, bus bandwidth) per (op, link) and a table of model against
-measurement to a JSON file, atomically. All processes of this machine are one node, so every fit is
-for the `intra` link kind.
+reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes` (powers
+of two; sizes in nccl-tests' convention), for every group size k dividing P (P/k groups at once, as
+the groups of one parallel dim run together). Each figure is the median of several timed repetitions
+after warm-up, bracketed by a barrier, measured with CUDA events on GPU (perf_counter on CPU), and the
+slowest rank's. On CPU the workers wait as the CPU runtime does (`runtime/cpu.py`: a 0.5 ms settle
+after each blocking wait, for reproducible memory), so the costs are those the recorded CPU runs pay.
+Rank 0 writes the points, the fitted (latency, bus bandwidth) per (op, link, group size) and a table
+of model against measurement to a JSON file, atomically. All processes of this machine are one node,
+so every fit is for the `intra` link kind.
 """
 
 from __future__ import annotations
