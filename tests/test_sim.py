@@ -64,6 +64,10 @@ def test_calibration_fit_recovers_latency_and_bandwidth():
     cal.fit()
     fit = cal.lookup("all_reduce", "intra", 1 << 26, 2)
     assert fit["latency_s"] == pytest.approx(20e-6, rel=1e-6) and fit["busbw_Bps"] == pytest.approx(300e9)
+    flat = Calibration(points=[{"op": "send", "n": 2, "link": "intra", "bytes": b, "time_s": t}
+                               for b, t in ((1024, 3e-4), (2048, 2.9e-4), (4096, 2.8e-4))])
+    flat.fit(min_bytes=1024)  # no growth with size (noise, latency-bound): a flat segment, not none
+    assert flat.lookup("send", "intra", 2048, 2)["latency_s"] == pytest.approx(2.9e-4)
     cost = CostModel(nvlink_Bps=1e9, net_Bps=1e9, calibration=Calibration.from_json(cal.to_json()))
     assert cost.time("all_reduce", 1 << 26, Placement(n=2, nodes=1, per_node=2)) == pytest.approx(
         20e-6 + (1 << 26) / 300e9)

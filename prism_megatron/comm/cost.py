@@ -42,6 +42,7 @@ HW_LAT_US = {"intra": {"tree": {"LL": 0.52, "LL128": 1.25, "Simple": 28.0},
 # NVLink SHARP all-reduce moves about 1.3x the bus bandwidth of a ring on the same links (DGX H100:
 # ~480 vs ~370 GB/s in nccl-tests).
 NVLS_GAIN = 1.3
+FLAT_BUSBW_BPS = 1e18  # "no size dependence" in a fitted segment (finite, so it stays JSON)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "send",
        "recv", "gather", "scatter", "barrier")
 
@@ -228,8 +229,10 @@ def _fit_segment(pts: list[dict]) -> Optional[dict]:
         return None
     a = (y1 * s22 - y2 * s12) / det
     b = (s11 * y2 - s12 * y1) / det
-    if b <= 0:
-        return None
+    if b <= 0:  # time does not grow with size here (latency-bound, or noise): a flat segment
+        times = sorted(p["time_s"] for p in pts)
+        return {"from_bytes": pts[0]["bytes"], "latency_s": times[len(times) // 2],
+                "busbw_Bps": FLAT_BUSBW_BPS}
     return {"from_bytes": pts[0]["bytes"], "latency_s": max(a, 0.0), "busbw_Bps": 1.0 / b}
 
 
