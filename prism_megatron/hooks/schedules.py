@@ -10,6 +10,7 @@ through.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Optional
 
@@ -46,12 +47,21 @@ class ScheduleHooks:
             patches.patch(schedules, "get_forward_backward_func", getter)
             patches.patch(pipeline_parallel, "get_forward_backward_func", getter)
 
-    def _phase(self, phase: Optional[str]) -> Optional[str]:
-        if self.tracker is None:
-            return None
-        previous = self.tracker.phase
-        self.tracker.set_phase(phase)
-        return previous
+    @contextlib.contextmanager
+    def _span(self, phase: str, microbatch: int, chunk: int):
+        """The tracker's phase and the recorder's span for one forward or backward step."""
+        previous = self.tracker.phase if self.tracker is not None else None
+        if self.tracker is not None:
+            self.tracker.set_phase(phase)
+        if self.recorder is not None:
+            self.recorder.span_begin(phase, microbatch, chunk)
+        try:
+            yield
+        finally:
+            if self.recorder is not None:
+                self.recorder.span_end()
+            if self.tracker is not None:
+                self.tracker.set_phase(previous)
 
     def _wrap_forward(self, original):
         @functools.wraps(original)
@@ -61,19 +71,12 @@ class ScheduleHooks:
             if microbatch is None:
                 microbatch = self._forwards.get(chunk, 0)
             self._forwards[chunk] = self._forwards.get(chunk, 0) + 1
-            previous = self._phase("forward")
-            if self.recorder is not None:
-                self.recorder.span_begin("forward", microbatch, chunk)
-            try:
+            with self._span("forward", microbatch, chunk):
                 result = original(*args, **kwargs)
-                output = _first_tensor(result[0]) if isinstance(result, tuple) else None
-                if output is not None:
-                    self._by_output[id(output)] = (microbatch, chunk)
-                return result
-            finally:
-                if self.recorder is not None:
-                    self.recorder.span_end()
-                self._phase(previous)
+            output = _first_tensor(result[0]) if isinstance(result, tuple) else None
+            if output is not None:
+                self._by_output[id(output)] = (microbatch, chunk)
+            return result
 
         return forward_step
 
@@ -85,15 +88,8 @@ class ScheduleHooks:
             if microbatch is None:
                 microbatch = self._backwards.get(chunk, 0)
             self._backwards[chunk] = self._backwards.get(chunk, 0) + 1
-            previous = self._phase("backward")
-            if self.recorder is not None:
-                self.recorder.span_begin("backward", microbatch, chunk)
-            try:
+            with self._span("backward", microbatch, chunk):
                 return original(*args, **kwargs)
-            finally:
-                if self.recorder is not None:
-                    self.recorder.span_end()
-                self._phase(previous)
 
         return backward_step
 
