@@ -8,7 +8,7 @@
     prism-megatron export GRAPH [--perfetto PATH --ranks R,...] [--chakra DIR --ranks R,...]
                                                                          Perfetto / Chakra ET exports
     prism-megatron simulate GRAPH [cluster=NAME] [cluster.KEY=V] [slowdown.RANK=F] [calibration=F]
-                   [--json PATH] [--csv PATH] [--perfetto PATH --ranks R,...]
+                   [microbatches=M] [--json PATH] [--csv PATH] [--perfetto PATH --ranks R,...]
                                                                          replay all N ranks (DES)
 
 Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("graph", help="graph file written by `capture`")
             cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                              help="cluster=dgx_h100|dgx_a100|h200x2|cpu_host|FILE, cluster.nic_Gbps=200, "
-                                  "slowdown.4711=1.5, calibration=FILE")
+                                  "slowdown.4711=1.5, calibration=FILE, microbatches=64")
             cmd.add_argument("--json", default=None, help="write the summary and per-class figures here")
             cmd.add_argument("--csv", default=None, help="write one row per rank here")
             cmd.add_argument("--perfetto", default=None, help="write the simulated timeline of --ranks")
@@ -216,9 +216,11 @@ def _cmd_simulate(args) -> int:
     from prism_megatron.sim.cluster import load_cluster
     from prism_megatron.sim.des import Simulator
     from prism_megatron.sim.report import job_figures, parse_overrides
+    from prism_megatron.sim.reschedule import RescheduleError, with_microbatches
 
-    cluster_name, cluster_fields, slowdown, calibration_path = parse_overrides(args.overrides)
-    cluster = load_cluster(cluster_name or "dgx_h100", cluster_fields)
+    what_if = parse_overrides(args.overrides)
+    slowdown, calibration_path = what_if.slowdown, what_if.calibration
+    cluster = load_cluster(what_if.cluster or "dgx_h100", what_if.cluster_fields)
     calibration = None
     if calibration_path:
         try:
@@ -229,6 +231,11 @@ def _cmd_simulate(args) -> int:
     ranks = _ranks(args.ranks) if args.perfetto else []
     graph = load_graph(args.graph)
     world = graph.world
+    if what_if.microbatches is not None:
+        try:
+            graph = with_microbatches(graph, what_if.microbatches)
+        except RescheduleError as err:
+            raise ConfigError(f"microbatches={what_if.microbatches}: {err}") from None
     bad = [r for r in [*ranks, *slowdown] if not 0 <= r < world.world_size]
     if bad:
         raise ConfigError(f"ranks {bad} outside the virtual world of {world.world_size}; choose ranks "
@@ -239,12 +246,17 @@ def _cmd_simulate(args) -> int:
     summary = {**figures, "ranks": world.world_size, "classes": len(result.classes),
                "sim_wall_s": round(result.sim_wall_s, 4), "cluster": cluster.name,
                "calibration": calibration_path, "slowdown": {str(k): v for k, v in slowdown.items()},
+               "microbatches": graph.meta.get("microbatches"),
                "compute_durations_from": graph.meta.get("device", "?"),
                "per_class": [dict(c.__dict__) for c in result.classes],
                "critical_path": _critical_summary(result.critical_path)}
     print(f"N={world.world_size} ranks as {len(result.classes)} classes on {cluster.name} "
           f"(compute durations captured on {summary['compute_durations_from']}); simulated in "
           f"{result.sim_wall_s:.3f} s")
+    if graph.meta.get("microbatches"):
+        mb = graph.meta["microbatches"]
+        print(f"microbatches: {mb['simulated']} per iteration (captured with {mb['captured']}; the steady "
+              "1F1B unit repeated or removed)")
     print(f"iteration time {result.iteration_s * 1e3:.3f} ms | {figures['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {figures['mfu'] * 100:.2f}%")
     slowest = max(result.classes, key=lambda c: c.iteration_s)

@@ -142,6 +142,8 @@ def test_simulate_command_output_contract(tmp_path):
     (["slowdown.3=0"], "must be > 0"),
     (["slowdown.9999=2"], "outside the virtual world"),
     (["clustr=dgx_a100"], "did you mean cluster"),
+    (["microbatches=0"], "positive number of microbatches"),
+    (["microbatches=8"], "no pipeline spans"),
 ])
 def test_simulate_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     path = tmp_path / "g.prism"

@@ -88,7 +88,7 @@ def _check_p2p(graph: ExecutionGraph, path: str) -> None:
         for (op, dim, delta), sizes in streams.items():
             if op not in _P2P or dim in _UNMATCHED_DIMS:
                 continue
-            group = world.group(rank, dim)
+            group = tuple(range(world.world_size)) if dim == "world" else world.group(rank, dim)
             peer = group[(group.index(rank) + delta) % len(group)]
             peer_graph = graph.roles[world.role(peer)]
             theirs = _p2p_sizes(graph, peer_graph, _P2P[op], dim, -delta, len(group))

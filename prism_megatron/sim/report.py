@@ -9,7 +9,7 @@ Megatron's 72*B*s*L*h^2*(1 + s/6h + V/12Lh).
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import yaml
@@ -44,12 +44,27 @@ def job_figures(iteration_s: float, n_ranks: int, config_yaml: str, cluster: Clu
             "mfu": flops / (iteration_s * n_ranks * cluster.peak_tflops * 1e12) if iteration_s > 0 else 0.0}
 
 
-SIM_KEYS = ("cluster", "calibration", "slowdown.<rank>", "cluster.<field>")
+SIM_KEYS = ("cluster", "calibration", "slowdown.<rank>", "cluster.<field>", "microbatches")
 
 
-def parse_overrides(overrides: list[str]) -> tuple[Optional[str], dict, dict[int, float], Optional[str]]:
-    """(cluster name/path, cluster field overrides, per-rank slowdown, calibration path)."""
-    cluster, fields_, slowdown, calibration = None, {}, {}, None
+@dataclass
+class SimOverrides:
+    """What-if settings of `simulate`, parsed from KEY=VALUE overrides."""
+
+    cluster: Optional[str] = None
+    """A shipped cluster name or a YAML path (default: dgx_h100)."""
+    cluster_fields: dict = field(default_factory=dict)
+    """cluster.<field>=value: fields of the cluster config replaced."""
+    slowdown: dict[int, float] = field(default_factory=dict)
+    """slowdown.<rank>=factor: that rank's compute takes factor times as long."""
+    calibration: Optional[str] = None
+    """A calibration file from `prism-megatron calibrate`."""
+    microbatches: Optional[int] = None
+    """Microbatches per iteration (1F1B and no-pipelining schedules; see sim/reschedule.py)."""
+
+
+def parse_overrides(overrides: list[str]) -> SimOverrides:
+    out = SimOverrides()
     known = {f.name for f in fields(ClusterConfig)}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -57,16 +72,24 @@ def parse_overrides(overrides: list[str]) -> tuple[Optional[str], dict, dict[int
             raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. cluster=dgx_a100 or "
                               "slowdown.4711=1.5")
         if key == "cluster":
-            cluster = value
+            out.cluster = value
         elif key == "calibration":
-            calibration = value
+            out.calibration = value
+        elif key == "microbatches":
+            try:
+                out.microbatches = int(value)
+            except ValueError:
+                out.microbatches = 0
+            if out.microbatches < 1:
+                raise ConfigError(f"override {item!r}: expected a positive number of microbatches per "
+                                  "iteration, e.g. microbatches=64")
         elif key.startswith("cluster."):
             name = key[len("cluster."):]
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean cluster.{close[0]}?" if close else ""
                 raise ConfigError(f"unknown cluster key {key!r}{hint}")
-            fields_[name] = yaml.safe_load(value)
+            out.cluster_fields[name] = yaml.safe_load(value)
         elif key.startswith("slowdown."):
             try:
                 rank, factor = int(key[len("slowdown."):]), float(value)
@@ -75,9 +98,10 @@ def parse_overrides(overrides: list[str]) -> tuple[Optional[str], dict, dict[int
                                   "slowdown.4711=1.5") from None
             if factor <= 0:
                 raise ConfigError(f"override {item!r}: a slowdown factor must be > 0 (1.5 = 50% slower)")
-            slowdown[rank] = factor
+            out.slowdown[rank] = factor
         else:
-            close = difflib.get_close_matches(key.split(".")[0], ("cluster", "calibration", "slowdown"), n=1)
+            close = difflib.get_close_matches(key.split(".")[0], ("cluster", "calibration", "slowdown",
+                                                                  "microbatches"), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"unknown simulate override {key!r}{hint} (keys: {', '.join(SIM_KEYS)})")
-    return cluster, fields_, slowdown, calibration
+    return out
