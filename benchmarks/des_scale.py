@@ -3,7 +3,8 @@
 The graph is built synthetically (sim/synth.py) from a captured tiny-layer role: the module kinds and
 their relative durations come from the capture (`--graph`, or a capture of the built-in default config
 made first), the shape is GPT-175B (96 layers, hidden 12288, seq 2048, micro-batch 1) on TP8 PP16 with
-DP = N / 128, durations at 50% of an H100's bf16 peak, network DGX H100. Each (N, microbatches) row
+DP = N / 128, durations at 50% of an H100's bf16 peak, network DGX H100 with bandwidth sharing
+between a rank's concurrent transfers (replayed to its fixed point: `passes`). Each (N, microbatches) row
 runs in a fresh process so that its peak RSS is its own. Issue [C]'s goal: N = 8192 with >= 32
 microbatches in <= 2 s and <= 1 GB RSS; N = 65,536 in <= 20 s.
 
@@ -48,7 +49,8 @@ def one_row(graph_path: str, n: int, microbatches: int) -> dict:
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "build_s": round(build_s, 4), "classes": len(result.classes),
             "nodes_per_role": graph.graph_of(0).num_nodes,
-            "iteration_time_s": round(result.iteration_s, 4)}
+            "iteration_time_s": round(result.iteration_s, 4), "sharing_passes": result.sharing_passes,
+            "shared_ops": result.shared_ops}
 
 
 def main() -> int:
@@ -73,7 +75,7 @@ def main() -> int:
             graph = Capture(cfg, os.path.join(tmp, "cap"), log=lambda s: None).run().graph_path
         rows = []
         print(f"{'N':>7}{'micro':>7}{'nodes/role':>12}{'classes':>9}{'sim s':>8}{'RSS MB':>9}"
-              f"{'iteration s':>13}")
+              f"{'iteration s':>13}{'passes':>8}{'shared ops':>12}")
         for n in args.sizes:
             for m in args.microbatches:
                 out = subprocess.run([sys.executable, __file__, "--graph", graph, "--row", str(n), str(m)],
@@ -85,7 +87,8 @@ def main() -> int:
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 rows.append(row)
                 print(f"{n:>7}{m:>7}{row['nodes_per_role']:>12}{row['classes']:>9}{row['sim_wall_s']:>8.3f}"
-                      f"{row['rss_bytes'] / 2**20:>9.0f}{row['iteration_time_s']:>13.3f}")
+                      f"{row['rss_bytes'] / 2**20:>9.0f}{row['iteration_time_s']:>13.3f}"
+                      f"{row['sharing_passes']:>8}{row['shared_ops']:>12}")
     if args.json:
         from prism_megatron.util import atomic_write_text
 

@@ -13,9 +13,11 @@ import pytest
 
 from prism_megatron.comm.cost import Calibration, CostModel, Placement, bus_bandwidth, bus_factor
 from prism_megatron.graph import save_graph
+from prism_megatron.graph.model import ExecutionGraph, RoleGraphBuilder, StringTable
 from prism_megatron.graph.synthetic import synthetic_graph
 from prism_megatron.sim.cluster import load_cluster
 from prism_megatron.sim.des import SimulationError, Simulator
+from prism_megatron.sim.sharing import shared_finish
 from prism_megatron.world import VirtualWorld
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +100,45 @@ def test_a_straggler_slows_its_pipeline_and_the_job():
     times = slow.rank_times()
     assert times[5] >= base.iteration_s and times.max() == slow.iteration_s
     assert slow.critical_path and slow.critical_path[-1][3] == pytest.approx(slow.iteration_s)
+
+
+def test_processor_sharing_of_one_link():
+    assert shared_finish([(0.0, 1.0), (0.0, 1.0)]) == [2.0, 2.0]
+    assert shared_finish([(0.0, 2.0), (1.0, 1.0)]) == pytest.approx([3.0, 3.0])
+    assert shared_finish([(0.0, 1.0), (5.0, 1.0)]) == [1.0, 6.0]
+    assert shared_finish([(0.0, 1.0), (0.5, 0.0)]) == [1.0, 0.5]
+    assert shared_finish([(0.0, 3.0), (0.0, 1.0), (0.0, 1.0)]) == pytest.approx([5.0, 3.0, 3.0])
+
+
+def _two_transfers(serial: bool) -> ExecutionGraph:
+    """One role of 16 data-parallel ranks on 2 nodes: a 1 GiB all-reduce and a 1 GiB all-gather on
+    two streams, independent (`serial`: the second waits for the first)."""
+    world = VirtualWorld(world_size=16)
+    strings = StringTable()
+    (role,) = world.roles()
+    b = RoleGraphBuilder(role, 0, strings)
+    first = b.comm("all_reduce", dim="dp", nbytes=1 << 30, dtype="fp32", seq=0, stream="grads",
+                   start_s=0.0, duration_s=0.0)
+    b.comm("all_gather", dim="dp", nbytes=1 << 30, dtype="fp32", seq=1, stream="params", start_s=0.0,
+           duration_s=0.0, deps=[first] if serial else [])
+    return ExecutionGraph(world=world, roles={role: b.build()}, strings=strings.strings)
+
+
+def test_concurrent_transfers_on_one_link_share_its_bandwidth():
+    cost = H100.cost_model()
+    inter = Placement(n=16, nodes=2, per_node=8)
+    (la, xa, link_a), (lb, xb, link_b) = (cost.parts(op, 1 << 30, inter)
+                                          for op in ("all_reduce", "all_gather"))
+    assert link_a == link_b == "inter" and xa > 10 * la
+    graph = _two_transfers(serial=False)
+    alone = Simulator(graph, cost, share_bandwidth=False).run()
+    shared = Simulator(graph, cost).run()
+    assert alone.iteration_s == pytest.approx(max(la + xa, lb + xb))
+    assert shared.iteration_s == pytest.approx(max(shared_finish([(la, xa), (lb, xb)])))
+    assert shared.iteration_s > 1.4 * alone.iteration_s and shared.shared_ops == 2
+    assert shared.sharing_passes >= 2
+    serial = _two_transfers(serial=True)  # one after the other: nothing to share
+    assert Simulator(serial, cost).run().iteration_s == pytest.approx(la + xa + lb + xb)
 
 
 def test_unmatched_communication_is_a_deadlock_with_a_clear_error():

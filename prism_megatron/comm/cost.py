@@ -199,15 +199,26 @@ class CostModel:
 
     def time(self, op: str, nbytes: int, placement: Placement) -> float:
         """Seconds for `op` of `nbytes` (nccl-tests size) over a group placed as `placement`."""
+        latency_s, transfer_s, _ = self.parts(op, nbytes, placement)
+        return latency_s + transfer_s
+
+    def parts(self, op: str, nbytes: int, placement: Placement) -> tuple[float, float, str]:
+        """(latency s, transfer s at the full link bandwidth, link kind "intra"/"inter") of `op`: the
+        transfer part is what concurrent operations on one rank's link share (sim/sharing.py)."""
         if placement.n <= 1 and op not in ("send", "recv"):
-            return 0.0
+            return 0.0, 0.0, "intra"
         if op == "barrier":
             op, nbytes = "all_reduce", 4
-        link = self.link(placement).kind
-        fit = self.calibration.lookup(op, link, nbytes, placement.n) if self.calibration else None
+        link = self.link(placement)
+        fit = self.calibration.lookup(op, link.kind, nbytes, placement.n) if self.calibration else None
         if fit is not None:
-            return fit["latency_s"] + bus_factor(op, placement.n) * nbytes / fit["busbw_Bps"]
-        return min(self.choices(op, nbytes, placement).values())
+            return fit["latency_s"], bus_factor(op, placement.n) * nbytes / fit["busbw_Bps"], link.kind
+        table = self.choices(op, nbytes, placement)
+        algo, proto = min(table, key=table.get)
+        steps = _steps(algo, op, placement)
+        latency_s = (BASE_LAT_US[algo][proto] + steps * HW_LAT_US[link.kind][algo][proto]
+                     + link.extra_latency_us) * 1e-6
+        return latency_s, max(0.0, table[(algo, proto)] - latency_s), link.kind
 
     def choice(self, op: str, nbytes: int, placement: Placement) -> tuple[str, str]:
         table = self.choices(op, nbytes, placement)

@@ -30,8 +30,10 @@ import numpy as np
 from prism_megatron.comm.cost import CostModel, Placement
 from prism_megatron.graph.model import NO_PEER, ExecutionGraph, NodeKind, RoleGraph
 from prism_megatron.sim.classes import initial_labels, rank_classes
+from prism_megatron.sim.sharing import TOLERANCE_S, extra_times
 
 _UNMATCHED = frozenset({"other"})
+MAX_SHARING_PASSES = 8
 
 
 class SimulationError(RuntimeError):
@@ -98,6 +100,10 @@ class SimResult:
     critical_path: list[tuple[int, str, float, float]] = field(default_factory=list)
     timelines: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     sim_wall_s: float = 0.0
+    sharing_passes: int = 1
+    """Replays until bandwidth sharing reached its fixed point (sim/sharing.py)."""
+    shared_ops: int = 0
+    """Operations slowed by a concurrent transfer on one of their ranks' links."""
 
     def rank_times(self) -> np.ndarray:
         times = np.asarray([c.iteration_s for c in self.classes])
@@ -110,10 +116,11 @@ class Simulator:
     def __init__(self, graph: ExecutionGraph, cost: CostModel, *,
                  slowdown: Optional[dict[int, float]] = None, per_rank: bool = False,
                  rank_graphs: Optional[dict[int, RoleGraph]] = None,
-                 start_s: Optional[dict[int, float]] = None) -> None:
+                 start_s: Optional[dict[int, float]] = None, share_bandwidth: bool = True) -> None:
         """`rank_graphs`: graphs of individual ranks (recorded on every rank of a real run) that
         replace their role's graph; they use `graph.strings`. `start_s`: when those ranks began the
-        iteration (default 0: all together); a rank's iteration time is counted from its start."""
+        iteration (default 0: all together); a rank's iteration time is counted from its start.
+        `share_bandwidth`: concurrent transfers of a rank on one link share it (sim/sharing.py)."""
         self.graph, self.cost, self.world = graph, cost, graph.world
         self.rank_graphs = dict(rank_graphs or {})
         self.start_s = {int(k): float(v) for k, v in (start_s or {}).items()}
@@ -123,6 +130,7 @@ class Simulator:
             raise ValueError(f"slowdown for ranks {bad} outside the virtual world of "
                              f"{self.world.world_size}")
         self.per_rank = per_rank
+        self.share_bandwidth = share_bandwidth
 
     # -- classes -------------------------------------------------------------------------------
 
@@ -155,23 +163,46 @@ class Simulator:
 
     def run(self, keep_timelines: tuple[int, ...] = ()) -> SimResult:
         start_wall = time.perf_counter()
-        world, graph = self.world, self.graph
         class_of_rank = self._classes()
         n_classes = int(class_of_rank.max()) + 1
-        first = np.full(n_classes, -1, dtype=np.int64)
         order = np.argsort(class_of_rank, kind="stable")
-        sorted_classes = class_of_rank[order]
-        starts = np.searchsorted(sorted_classes, np.arange(n_classes))
-        first[:] = order[starts]
+        reps = order[np.searchsorted(class_of_rank[order], np.arange(n_classes))].tolist()
         counts = np.bincount(class_of_rank, minlength=n_classes)
-        reps = first.tolist()
         prepared: dict[int, _Prepared] = {}
         plan = []
         for rep in reps:
             g = self._graph_of(rep)
             if id(g.dep_ptr) not in prepared:
-                prepared[id(g.dep_ptr)] = _prepare(graph, g)
+                prepared[id(g.dep_ptr)] = _prepare(self.graph, g)
             plan.append(prepared[id(g.dep_ptr)])
+        extra: dict = {}
+        for passes in range(1, MAX_SHARING_PASSES + 1):
+            post, fin, why, flows = self._replay(class_of_rank, reps, plan, extra)
+            if not self.share_bandwidth:
+                break
+            new = extra_times(flows)
+            if all(abs(new.get(k, 0.0) - extra.get(k, 0.0)) <= TOLERANCE_S for k in {*new, *extra}):
+                break
+            extra = new
+        results = []
+        for c in range(n_classes):
+            results.append(_class_result(plan[c], post[c], fin[c], self.start_s.get(reps[c], 0.0),
+                                         int(counts[c]), reps[c]))
+        iteration = max(r.iteration_s for r in results)
+        result = SimResult(iteration_s=iteration, classes=results, class_of_rank=class_of_rank,
+                           sharing_passes=passes, shared_ops=len(extra))
+        result.critical_path = _critical_path(plan, post, fin, why, results)
+        for rank in keep_timelines:
+            c = int(class_of_rank[rank])
+            result.timelines[rank] = (np.asarray(post[c]), np.asarray(fin[c]))
+        result.sim_wall_s = time.perf_counter() - start_wall
+        return result
+
+    def _replay(self, class_of_rank: np.ndarray, reps: list[int], plan: list[_Prepared], extra: dict):
+        """One replay; `extra`: seconds added to each shared transfer (by operation key). Returns
+        per class the post and finish time and cause of every node, and the transfers it ran."""
+        world = self.world
+        n_classes = len(reps)
         slow = [self.slowdown.get(rep, 1.0) for rep in reps]
         offset = [self.start_s.get(rep, 0.0) for rep in reps]
         n = [len(p.kinds) for p in plan]
@@ -183,6 +214,7 @@ class Simulator:
         placements: dict[tuple[int, str], Placement] = {}
         pending: dict[tuple, dict[int, tuple[float, int]]] = {}
         done: dict[tuple, tuple] = {}  # key -> (start, end, cause of the last arrival)
+        flows: list[tuple] = []
 
         def group_info(c: int, dim: str):
             key = (c, dim)
@@ -243,7 +275,9 @@ class Simulator:
                                 P_post[i] = ready
                                 break
                             t0, lcause = max(((v[0], v[2]) for v in arrived.values()), key=lambda x: x[0])
-                            end = t0 + self.cost.time(op, nbytes, placement)
+                            latency, transfer, link = self.cost.parts(op, nbytes, placement)
+                            end = t0 + latency + transfer + extra.get(key, 0.0)
+                            flows.append((key, members, link, t0 + latency, transfer))
                             done[key] = (t0, end, lcause)
                             del pending[key]
                         t0, end, lcause = done[key]
@@ -261,7 +295,11 @@ class Simulator:
                     slot["send" if send else "recv"] = (ready, c, i, cause)
                     if len(slot) == 2:
                         (ts, sc, si, scause), (tr, rc, ri, rcause) = slot["send"], slot["recv"]
-                        end = max(ts, tr) + self.cost.time("send", nbytes, _placement(world, (reps[c], peer)))
+                        latency, transfer, link = self.cost.parts("send", nbytes,
+                                                                  _placement(world, (reps[c], peer)))
+                        t0 = max(ts, tr)
+                        end = t0 + latency + transfer + extra.get(key, 0.0)
+                        flows.append((key, (sc, rc), link, t0 + latency, transfer))
                         fin[sc][si] = fin[rc][ri] = end
                         why[sc][si] = why[rc][ri] = (scause if ts >= tr else rcause)
                         del pending[key]
@@ -279,17 +317,7 @@ class Simulator:
                 raise SimulationError(f"the replay deadlocks: {len(stuck)}+ classes wait forever, e.g. "
                                       f"rank {stuck[0][0]} at {stuck[0][1]}; the roles' communication "
                                       "does not match up (capture the graph again)")
-        results = []
-        for c in range(n_classes):
-            results.append(_class_result(plan[c], post[c], fin[c], offset[c], int(counts[c]), reps[c]))
-        iteration = max(r.iteration_s for r in results)
-        result = SimResult(iteration_s=iteration, classes=results, class_of_rank=class_of_rank)
-        result.critical_path = _critical_path(plan, post, fin, why, results)
-        for rank in keep_timelines:
-            c = int(class_of_rank[rank])
-            result.timelines[rank] = (np.asarray(post[c]), np.asarray(fin[c]))
-        result.sim_wall_s = time.perf_counter() - start_wall
-        return result
+        return post, fin, why, flows
 
 
 def _placement(world, members) -> Placement:
