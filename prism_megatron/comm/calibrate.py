@@ -5,8 +5,9 @@ reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` t
 of two; sizes in nccl-tests' convention), for every group size k dividing P (P/k groups at once, as
 the groups of one parallel dim run together). Each figure is the median of several timed repetitions
 after warm-up, bracketed by a barrier, measured with CUDA events on GPU (perf_counter on CPU), and the
-slowest rank's. On CPU the workers wait as the CPU runtime does (`runtime/cpu.py`: a 0.5 ms settle
-after each blocking wait, for reproducible memory), so the costs are those the recorded CPU runs pay.
+slowest rank's. On CPU the workers run under the hooks of a recorded CPU run (the CPU runtime with its
+0.5 ms settle after each blocking wait, the prism backend over gloo, the recorder), so the costs are
+those the recorded CPU runs pay; on GPU they call NCCL directly, as production does.
 Rank 0 writes the points, the fitted (latency, bus bandwidth) per (op, link, group size) and a table
 of model against measurement to a JSON file, atomically. All processes of this machine are one node,
 so every fit is for the `intra` link kind.
@@ -94,15 +95,19 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    inst = None
     if device == "cuda":
         torch.cuda.set_device(rank)
-    else:  # measure gloo as the CPU runtime runs it: with its settle after each blocking wait
-        from prism_megatron.runtime.cpu import CpuRuntime, _settling_wait
-
-        work = torch._C._distributed_c10d.Work
-        work.wait = _settling_wait(work.wait, CpuRuntime.settle_after_wait_s)
+    else:  # measure gloo as a recorded CPU run pays it: through the prism stack, recorder attached
+        inst = _recorded_stack(world, os.path.dirname(out_path))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    if inst is not None:
+        session = inst.session
+        if session.physical.size != world:
+            raise RuntimeError(f"calibration: {session.physical.size} of {world} processes are real")
+        session.connect_p2p()  # as megatron's parallel-state hook does in a run
     points = []
     for k in [d for d in range(2, world + 1) if world % d == 0]:
         partitions = [list(range(g, g + k)) for g in range(0, world, k)]
@@ -119,7 +124,25 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(points, handle)
+    if inst is not None:
+        inst.recorder = None  # a calibration runs no training iteration: no graph to write
     dist.destroy_process_group()
+    if inst is not None:
+        inst.uninstall()
+
+
+def _recorded_stack(world: int, tmp: str):
+    """The hooks of a recorded CPU run (`--prism-trace-path`, virtual world = the P processes): the
+    CPU runtime (its 0.5 ms settle after each blocking wait, for reproducible memory), the prism
+    backend over gloo and the recorder. Their per-operation host time is part of every collective a
+    recorded CPU run measures, so it is part of what is calibrated (~0.15-0.2 ms per op here)."""
+    from prism_megatron.config import load_config
+    from prism_megatron.hooks.install import install
+
+    trace = os.path.join(tmp, "calibration-rank{rank}.prism")
+    cfg = load_config(["train.device=cpu", "emulation.sandbox_ranks=[]",
+                       f"emulation.virtual_world_size={world}", f"trace.path={trace}"])
+    return install(cfg)
 
 
 def calibrate(device: str, nproc: int, min_bytes: int, max_bytes: int, out: str,
