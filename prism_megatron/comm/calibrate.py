@@ -140,8 +140,9 @@ def _recorded_stack(world: int, tmp: str):
     from prism_megatron.hooks.install import install
 
     trace = os.path.join(tmp, "calibration-rank{rank}.prism")
-    cfg = load_config(["train.device=cpu", "emulation.sandbox_ranks=[]",
-                       f"emulation.virtual_world_size={world}", f"trace.path={trace}"])
+    cfg = load_config(["train.device=cpu", "emulation.sandbox_ranks=[]", "train.micro_batch_size=1",
+                       f"train.global_batch_size={world}", f"emulation.virtual_world_size={world}",
+                       f"trace.path={trace}"])
     return install(cfg)
 
 
