@@ -7,7 +7,8 @@ the groups of one parallel dim run together). Each figure is the median of sever
 after warm-up, bracketed by a barrier, measured with CUDA events on GPU (perf_counter on CPU), and the
 slowest rank's. On CPU the workers run under the hooks of a recorded CPU run (the CPU runtime with its
 0.5 ms settle after each blocking wait, the prism backend over gloo, the recorder), so the costs are
-those the recorded CPU runs pay; on GPU they call NCCL directly, as production does.
+those the recorded CPU runs pay (p2p without the settle, which a recording charges to the next
+compute); on GPU they call NCCL directly, as production does.
 Rank 0 writes the points, the fitted (latency, bus bandwidth) per (op, link, group size) and a table
 of model against measurement to a JSON file, atomically. All processes of this machine are one node,
 so every fit is for the `intra` link kind.
@@ -108,6 +109,7 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
         if session.physical.size != world:
             raise RuntimeError(f"calibration: {session.physical.size} of {world} processes are real")
         session.connect_p2p()  # as megatron's parallel-state hook does in a run
+        settle_s = inst.runtime.settle_after_wait_s
     points = []
     for k in [d for d in range(2, world + 1) if world % d == 0]:
         partitions = [list(range(g, g + k)) for g in range(0, world, k)]
@@ -116,6 +118,10 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
         for op in OPS:
             if op == "send" and k != 2:
                 continue
+            if inst is not None:
+                # A recorded run charges the settle after a p2p wait to the next compute segment
+                # (trace/attach.py: patch_wait); collectives wait inside the backend, settle included.
+                inst.runtime.settle_after_wait_s = 0.0 if op == "send" else settle_s
             for nbytes in sizes:
                 t = _time_op(dist, torch, op, nbytes, partitions[mine], groups[mine], rank, device,
                              min_time_s)

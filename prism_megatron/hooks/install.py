@@ -182,7 +182,7 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         tracker = inst.tracker
         recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes)
     inst.recorder = recorder
-    patch_wait(inst._patches, recorder)
+    patch_wait(inst._patches, recorder, inst.runtime)
     if inst.device == "cuda" and hasattr(recorder.clock, "name_of"):
         patch_cuda_sync(inst._patches, recorder, recorder.clock)
     inst._handles += optimizer_step_hooks(recorder)

@@ -142,12 +142,18 @@ class CpuRuntime:
     settle_after_wait_s: float = 0.0005
     """After a communication `wait()`, yield this long so gloo's worker drops the finished work's
     buffers now (see `_settling_wait`); 0 turns it off."""
+    inner_wait: Optional[Callable] = field(default=None, repr=False)
+    """`Work.wait` as it was before activation (what a recorder wraps, inside the settle)."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _mode: Optional[_CudaToCpuMode] = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
         return self._mode is not None
+
+    def settling(self, wait: Callable) -> Callable:
+        """`wait` followed by this runtime's settle when it blocked (see `_settling_wait`)."""
+        return _settling_wait(wait, self)
 
     def activate(self) -> "CpuRuntime":
         if self.active:
@@ -189,7 +195,8 @@ class CpuRuntime:
         self._patch(cuda.nvtx, "range_pop", lambda: None)
         self._patch(torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather))
         work = torch._C._distributed_c10d.Work
-        self._patch(work, "wait", _settling_wait(work.wait, self.settle_after_wait_s))
+        self.inner_wait = work.wait
+        self._patch(work, "wait", self.settling(work.wait))
         self._patch_megatron()
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
@@ -232,7 +239,7 @@ class CpuRuntime:
                 self._patch(owner, "maybe_move_tensor_to_cpu", _splits_to_host)
 
 
-def _settling_wait(original: Callable, settle_s: float) -> Callable:
+def _settling_wait(original: Callable, runtime: "CpuRuntime") -> Callable:
     """`Work.wait` that lets gloo's worker thread finish releasing the operation's tensors.
 
     gloo's worker drops its references to a finished operation's buffers just after `wait()`
@@ -241,16 +248,13 @@ def _settling_wait(original: Callable, settle_s: float) -> Callable:
     (by 0.2 KB to 68 KB per rank here). A short sleep hands the GIL over, and the frees land at the
     same point in every run: 3 of 3 plain MoE runs gave identical peaks, against 3 different before.
     """
-    if settle_s <= 0:
-        return original
-
     def wait(self, *args, **kwargs):
         # Finished before we waited (a prism result, or an async op waited on later): the worker
         # let go of it long ago, and sleeping would only slow every call down.
-        if self.is_completed():
+        if runtime.settle_after_wait_s <= 0 or self.is_completed():
             return original(self, *args, **kwargs)
         result = original(self, *args, **kwargs)
-        time.sleep(settle_s)
+        time.sleep(runtime.settle_after_wait_s)
         return result
 
     return wait

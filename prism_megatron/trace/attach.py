@@ -66,10 +66,15 @@ def connect_comm(recorder: Recorder, session: Any) -> None:
     session.log.issue_listeners.append(recorder.comm_issued)
 
 
-def patch_wait(patches: PatchSet, recorder: Recorder) -> None:
-    """`Work.wait` tells the recorder which operation the waiting stream now depends on."""
+def patch_wait(patches: PatchSet, recorder: Recorder, runtime: Any = None) -> None:
+    """`Work.wait` tells the recorder which operation the waiting stream now depends on.
+
+    Under the CPU runtime the recorder wraps the inner wait and the runtime's settle comes after the
+    recorder's end of the wait: the settle is host time the rank spends after the data arrived, so it
+    belongs to the next compute segment, not to the communication (whose modelled cost ends when
+    the data is there)."""
     work_cls = torch._C._distributed_c10d.Work
-    original = work_cls.wait
+    original = runtime.inner_wait if runtime is not None else work_cls.wait
 
     def wait(self, *args, **kwargs):
         entry = recorder.wait_begin(self)
@@ -77,7 +82,7 @@ def patch_wait(patches: PatchSet, recorder: Recorder) -> None:
         recorder.wait_end(entry)
         return result
 
-    patches.patch(work_cls, "wait", wait)
+    patches.patch(work_cls, "wait", runtime.settling(wait) if runtime is not None else wait)
 
 
 def patch_cuda_sync(patches: PatchSet, recorder: Recorder, clock: Any) -> None:
