@@ -10,6 +10,10 @@
     prism-megatron simulate GRAPH [cluster=NAME] [cluster.KEY=V] [slowdown.RANK=F] [calibration=F]
                    [microbatches=M] [--json PATH] [--csv PATH] [--perfetto PATH --ranks R,...]
                                                                          replay all N ranks (DES)
+    prism-megatron emulate GRAPH --out DIR [--sandbox first-stage,4711] [cluster=NAME] [--json PATH]
+                                                                         sandboxes real, ghosts replayed
+    prism-megatron run [--config FILE] [key=value ...] --out DIR [--sandbox ...] [--json PATH]
+                                                                         capture (cached) + emulate
 
 Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
 (one rank of a TP8 PP16 DP64 job of 8192 ranks). Bad input prints one line and exits with status 2.
@@ -44,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("capture", "capture the full-scale execution graph by running roles as slices"),
                        ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files"),
                        ("simulate", "replay a captured graph over all N ranks on a modelled cluster"),
-                       ("calibrate", "time real collectives here and fit the network cost model")):
+                       ("calibrate", "time real collectives here and fit the network cost model"),
+                       ("emulate", "run sandbox ranks for real, the other ranks replayed from the graph"),
+                       ("run", "capture (if not cached), simulate and emulate a config")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -64,6 +70,26 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--csv", default=None, help="write one row per rank here")
             cmd.add_argument("--perfetto", default=None, help="write the simulated timeline of --ranks")
             cmd.add_argument("--ranks", default="0", help="ranks for --perfetto, e.g. 0,4711")
+            continue
+        if name in ("emulate", "run"):
+            if name == "emulate":
+                cmd.add_argument("graph", help="graph file written by `capture`")
+                cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                                 help="cluster=NAME|FILE, cluster.KEY=V, calibration=FILE")
+            else:
+                cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                                 help="config overrides (parallel.tp=2 ...) and cluster=NAME, "
+                                      "cluster.KEY=V, calibration=FILE")
+                cmd.add_argument("--config", default=None,
+                                 help="YAML config file (default: configs/default.yaml)")
+                cmd.add_argument("--workers", type=int, default=None, help="capture slices at once")
+            cmd.add_argument("--sandbox", default=None,
+                             help="virtual ranks and role names, e.g. first-stage,last-stage,4711 (default: "
+                                  "the config's sandbox ranks, else first-stage)")
+            cmd.add_argument("--out", required=True, help="directory for the sandbox run and its results")
+            cmd.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                             help="where the sandboxes run (default: the capture's device)")
+            cmd.add_argument("--json", default=None, help="write the summary JSON here too")
             continue
         if name == "export":
             cmd.add_argument("graph", help="graph file written by `capture`")
@@ -210,7 +236,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_simulate(args) -> int:
-    from prism_megatron.comm.cost import Calibration
+    from prism_megatron.emulate.cli import load_calibration
     from prism_megatron.graph import load_graph
     from prism_megatron.graph.perfetto import write_chrome_trace
     from prism_megatron.sim.cluster import load_cluster
@@ -221,13 +247,7 @@ def _cmd_simulate(args) -> int:
     what_if = parse_overrides(args.overrides)
     slowdown, calibration_path = what_if.slowdown, what_if.calibration
     cluster = load_cluster(what_if.cluster or "dgx_h100", what_if.cluster_fields)
-    calibration = None
-    if calibration_path:
-        try:
-            calibration = Calibration.from_json(Path(calibration_path).read_text())
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"calibration={calibration_path}: not a readable calibration file ({err}); "
-                              "write one with `prism-megatron calibrate`") from None
+    calibration = load_calibration(calibration_path)
     ranks = _ranks(args.ranks) if args.perfetto else []
     graph = load_graph(args.graph)
     world = graph.world
@@ -306,6 +326,18 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _cmd_emulate(args) -> int:
+    from prism_megatron.emulate.cli import emulate_command
+
+    return emulate_command(args)
+
+
+def _cmd_run(args) -> int:
+    from prism_megatron.emulate.cli import run_command
+
+    return run_command(args)
+
+
 def _critical_summary(path: list) -> dict:
     """Time on the critical path by kind of node, and its length."""
     share: dict[str, float] = {}
@@ -321,13 +353,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     if hasattr(signal, "SIGPIPE"):  # `prism-megatron config --keys | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may follow options (`--out D cluster=x`); argparse leaves those over.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from prism_megatron.capture.run import CaptureFailed
+    from prism_megatron.emulate.run import EmulationFailed
     from prism_megatron.graph.check import GraphFileError
 
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
                 "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate,
-                "calibrate": _cmd_calibrate}
+                "calibrate": _cmd_calibrate, "emulate": _cmd_emulate, "run": _cmd_run}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:
@@ -335,6 +374,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except CaptureFailed as err:
         print(f"prism-megatron: capture failed: {err}", file=sys.stderr)
+        return 1
+    except EmulationFailed as err:
+        print(f"prism-megatron: emulation failed: {err}", file=sys.stderr)
         return 1
 
 

@@ -210,7 +210,9 @@ class TraceConfig:
     """Compute nodes per module-level op (module) or per aten op inside each module (aten)."""
 
     iteration: int = -1
-    """Training iteration (1-based) that becomes the graph; -1: the last. Memory peaks span the run."""
+    """Training iteration (1-based) that becomes the graph; -1: the last full one (an iteration runs
+    from its forward_backward_func call to the next one's, so the second-to-last when the run has more
+    than one). Memory peaks span the run."""
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:

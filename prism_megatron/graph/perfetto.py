@@ -4,7 +4,7 @@ One process per exported virtual rank, one track (thread) per stream; every node
 ("X") event with its measured start and duration in microseconds, and its communication fields
 (op, dim, bytes, dtype, sequence number, p2p peer) as args. The pipeline spans (forward/backward of
 each microbatch and virtual stage) are one more track, `pipeline`. The timeline is the captured one of the
-rank's role; the simulator (issue [C]) will export simulated timelines through the same function.
+rank's role, or a simulated one (`simulate`, `emulate`) through the same function.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from prism_megatron.util import atomic_write_text
 
 
 def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], times: Optional[dict] = None,
-                 source: str = "captured") -> dict:
+                 source: str = "captured", rank_graphs: Optional[dict] = None) -> dict:
     """The Chrome-trace document for `ranks` (virtual ranks of `graph.world`); `times[rank]` =
-    (start_s, end_s) arrays replace the captured times (a simulated timeline)."""
+    (start_s, end_s) arrays replace the captured times (a simulated timeline); `rank_graphs[rank]`
+    replaces a rank's role graph (an emulation's sandbox)."""
     events: list[dict] = []
     for rank in ranks:
-        g = graph.graph_of(rank)
+        g = (rank_graphs or {}).get(rank) or graph.graph_of(rank)
         cols = g.columns
         if times and rank in times:
             start, end = times[rank]
@@ -70,11 +71,12 @@ def chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], times: Optional[di
 
 
 def write_chrome_trace(graph: ExecutionGraph, ranks: Iterable[int], path: str,
-                       times: Optional[dict] = None, source: str = "captured") -> None:
+                       times: Optional[dict] = None, source: str = "captured",
+                       rank_graphs: Optional[dict] = None) -> None:
     """Write the trace of `ranks` to `path` atomically."""
     ranks = list(ranks)
     bad = [r for r in ranks if not 0 <= r < graph.world.world_size]
     if bad:
         raise ValueError(f"ranks {bad} are outside the virtual world of {graph.world.world_size}; "
                          f"choose ranks in 0..{graph.world.world_size - 1}")
-    atomic_write_text(path, json.dumps(chrome_trace(graph, ranks, times, source)))
+    atomic_write_text(path, json.dumps(chrome_trace(graph, ranks, times, source, rank_graphs)))

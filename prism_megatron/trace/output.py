@@ -74,7 +74,10 @@ def write_role_graph(inst: Any) -> str:
     role = session.world.role(rank)
     path = per_rank_path(cfg.trace.path, rank)
     strings = StringTable()
-    iteration = cfg.trace.iteration - 1 if cfg.trace.iteration > 0 else -1
+    if cfg.trace.iteration > 0:
+        iteration = cfg.trace.iteration - 1
+    else:  # the last full period: an iteration runs to the next one's start (zero_grad included)
+        iteration = -2 if len(inst.recorder.iterations) >= 2 else -1
     graph = inst.recorder.build(role, rank, strings, iteration=iteration, **memory_figures(inst))
     meta = {"config": to_yaml(cfg), "captured_rank": rank, "device": inst.device,
             "clock": inst.recorder.clock.kind, "granularity": cfg.trace.granularity,

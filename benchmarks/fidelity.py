@@ -1,0 +1,182 @@
+"""Fidelity harness: the real job (N processes, plain megatron-core) against its emulation (1 process).
+
+For each named config, in one invocation: the real job runs `--reps` times as N processes (torchrun;
+no virtual world, no recorder), and the emulation captures the job's graph once (slices, one process at
+a time) and runs `prism-megatron emulate` `--reps` times with one sandbox process. Per config it prints
+the real median iteration time and its run-to-run spread, the emulated iteration time, the error, and
+the real and emulated peak allocated memory of the sandbox rank and their error.
+
+Real iteration time: per run, the median over iterations after `--warmup` of the slowest rank's
+iteration time (the example times each iteration from zero_grad to after the optimizer step and a
+device synchronize); the real figure is the median of the runs, the spread (max - min) / median.
+Emulated: the DES iteration time of the job with the sandbox's recorded iteration in its rank's place.
+
+    python benchmarks/fidelity.py [--configs ...] [--device cpu|cuda] [--reps 3] [--json PATH] [--list]
+
+Writes benchmarks/results/fidelity-<machine>-<date>.json unless --json says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# name -> (world, config overrides, sandbox specs)
+CONFIGS = {
+    "tp2": (2, ["parallel.tp=2"], ["first-stage"]),
+    "pp2_1f1b": (2, ["parallel.pp=2"], ["first-stage"]),
+    "dp2_distopt_overlap": (2, ["train.use_distributed_optimizer=true", "train.overlap_grad_reduce=true"],
+                            ["0"]),
+    "moe_ep2": (2, ["parallel.ep=2", "model.num_experts=4", "model.moe_router_topk=2"], ["0"]),
+}
+SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 with the GPU shape
+    "cpu": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
+            "model.seq_length=128", "train.micro_batch_size=2", "train.global_batch_size=16"],
+    "cuda": ["model.num_layers=8", "model.hidden_size=4096", "model.num_attention_heads=32",
+             "model.seq_length=2048", "model.vocab_size=32000", "model.params_dtype=bf16",
+             "train.micro_batch_size=1", "train.global_batch_size=16"],
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(device: str) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def config_file(name: str, device: str, iters: int, tmp: Path) -> tuple[Path, int, list[str]]:
+    from prism_megatron.config import load_config
+    from prism_megatron.config.loader import to_yaml
+
+    world, overrides, sandbox = CONFIGS[name]
+    cfg = load_config([*SHAPES[device], *overrides, f"train.iters={iters}", f"train.device={device}",
+                       "emulation.sandbox_ranks=[]"])
+    cfg.check_world(world)
+    path = tmp / f"{name}.yaml"
+    path.write_text(to_yaml(cfg))
+    return path, world, sandbox
+
+
+def real_runs(name: str, config: Path, world: int, device: str, reps: int, warmup: int, tmp: Path):
+    medians, peaks = [], {}
+    for rep in range(reps):
+        out = tmp / f"{name}-real{rep}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+             str(_port()), str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config", str(config),
+             "--prism-summary-json", str(out / "summary{rank}.json")],
+            capture_output=True, text=True, env=_env(device), cwd=REPO, timeout=3600)
+        if proc.returncode:
+            raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
+        per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
+        iters = list(zip(*[s["iteration_times_ms"] for s in per_rank]))[warmup:]
+        medians.append(statistics.median(max(x) for x in iters) / 1e3)
+        for s in per_rank:
+            peaks.setdefault(s["virtual_rank"], []).append(s.get("peak_allocated_bytes",
+                                                                 s.get("peak_tracked_bytes")))
+    return medians, peaks
+
+
+def emulated_runs(name: str, config: Path, world: int, sandbox: list[str], device: str, reps: int,
+                  tmp: Path, cluster: str):
+    from prism_megatron.capture.run import Capture
+    from prism_megatron.config import load_config
+    from prism_megatron.emulate.run import Emulation
+    from prism_megatron.sim.cluster import load_cluster
+
+    cfg = load_config([f"emulation.virtual_world_size={world}"], str(config))
+    capture = Capture(cfg, str(tmp / f"{name}-capture"), workers=1, device=device, log=lambda s: None).run()
+    runs = []
+    for rep in range(reps):
+        emulation = Emulation(capture.graph_path, str(tmp / f"{name}-emu{rep}"), sandbox,
+                              load_cluster(cluster), device=device)
+        runs.append(emulation.run())
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cluster", default=None, help="network of the emulation (default: h200x2 on "
+                                                        "cuda, cpu_host on cpu)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--list", action="store_true", help="name the configs and exit")
+    args = parser.parse_args()
+    if args.list:
+        for name, (world, overrides, sandbox) in CONFIGS.items():
+            print(f"{name}: N={world} {' '.join(overrides)} sandbox {','.join(sandbox)}")
+        return 0
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or args.reps < 1 or args.iters <= args.warmup:
+        print(f"error: configs {unknown} unknown (see --list), or --reps < 1, or --iters <= --warmup",
+              file=sys.stderr)
+        return 2
+    cluster = args.cluster or ("h200x2" if args.device == "cuda" else "cpu_host")
+    rows = []
+    header = (f"{'config':>20}{'N':>3}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
+              f"{'real peak MiB':>15}{'emu peak MiB':>14}{'mem err':>10}")
+    print(header)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for name in args.configs:
+            config, world, sandbox = config_file(name, args.device, args.iters, tmp)
+            real, peaks = real_runs(name, config, world, args.device, args.reps, args.warmup, tmp)
+            emus = emulated_runs(name, config, world, sandbox, args.device, args.reps, tmp, cluster)
+            real_s = statistics.median(real)
+            emu_s = statistics.median(e["iteration_time_s"] for e in emus)
+            rank = emus[0]["sandbox"][0]["virtual_rank"]
+            real_peak = statistics.median(peaks[rank])
+            emu_peak = statistics.median(e["sandbox"][0]["peak_allocated_bytes"] for e in emus)
+            row = {"config": name, "world": world, "sandbox_rank": rank, "real_iter_s_median": real_s,
+                   "real_iter_s_runs": real, "real_spread_pct": (max(real) - min(real)) / real_s * 100,
+                   "emu_iter_s": emu_s, "emu_iter_s_runs": [e["iteration_time_s"] for e in emus],
+                   "iter_err_pct": (emu_s / real_s - 1) * 100, "real_peak_bytes": int(real_peak),
+                   "emu_peak_bytes": int(emu_peak), "mem_err_pct": (emu_peak / real_peak - 1) * 100,
+                   "materialized_ghosts": emus[0]["materialized_ghosts"], "classes": emus[0]["classes"],
+                   "physical_fraction": emus[0]["physical_fraction"],
+                   "config_yaml": yaml.safe_load(config.read_text())}
+            rows.append(row)
+            print(f"{name:>20}{world:>3}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
+                  f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
+                  f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%", flush=True)
+    errors = [abs(r["iter_err_pct"]) for r in rows]
+    print(f"mean |iteration error| {statistics.mean(errors):.2f}%, max {max(errors):.2f}%; "
+          f"max |memory error| {max(abs(r['mem_err_pct']) for r in rows):.4f}%")
+    from prism_megatron.util import atomic_write_text
+
+    machine = "h200" if args.device == "cuda" else platform.node()
+    path = args.json or str(REPO / "benchmarks" / "results" / f"fidelity-{machine}-{date.today()}.json")
+    atomic_write_text(path, json.dumps({"date": str(date.today()), "machine": platform.node(),
+                                        "device": args.device, "cluster": cluster, "reps": args.reps,
+                                        "iters": args.iters, "warmup": args.warmup, "rows": rows}, indent=1))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Hybrid emulation: sandbox ranks for real, ghosts replayed from the captured graph (run.py)."""

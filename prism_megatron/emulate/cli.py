@@ -1,0 +1,97 @@
+"""`prism-megatron emulate GRAPH` and `prism-megatron run [overrides]` (see emulate/run.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from prism_megatron.config.schema import ConfigError
+from prism_megatron.util import atomic_write_text
+
+SIM_PREFIXES = ("cluster=", "cluster.", "calibration=")
+
+
+def load_calibration(path: Optional[str]):
+    """The calibration file `path` (None: none), or a one-line ConfigError."""
+    if not path:
+        return None
+    from prism_megatron.comm.cost import Calibration
+
+    try:
+        return Calibration.from_json(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"calibration={path}: not a readable calibration file ({err}); write one with "
+                          "`prism-megatron calibrate`") from None
+
+
+def _cluster(overrides: list[str]):
+    from prism_megatron.sim.cluster import load_cluster
+    from prism_megatron.sim.report import parse_overrides
+
+    what_if = parse_overrides(overrides)
+    if what_if.slowdown or what_if.microbatches:
+        raise ConfigError("emulate takes cluster=, cluster.KEY= and calibration= overrides; slowdowns and "
+                          "microbatches are what-ifs of `simulate`")
+    return load_cluster(what_if.cluster or "dgx_h100", what_if.cluster_fields), load_calibration(
+        what_if.calibration)
+
+
+def _specs(text: Optional[str], default: list) -> list[str]:
+    if text:
+        return [s.strip() for s in text.split(",") if s.strip()]
+    return [str(r) for r in default] or ["first-stage"]
+
+
+def emulate_command(args) -> int:
+    from prism_megatron.emulate.run import Emulation
+
+    cluster, calibration = _cluster(args.overrides)
+    summary = Emulation(args.graph, args.out, _specs(args.sandbox, []), cluster, calibration,
+                        device=args.device).run()
+    _print(summary)
+    if args.json:
+        atomic_write_text(args.json, json.dumps(summary, indent=1))
+    return 0
+
+
+def run_command(args) -> int:
+    from prism_megatron.capture.run import Capture
+    from prism_megatron.cli import _config_file
+    from prism_megatron.config import load_config
+    from prism_megatron.emulate.run import Emulation
+
+    sim = [o for o in args.overrides if o.startswith(SIM_PREFIXES)]
+    job = [o for o in args.overrides if not o.startswith(SIM_PREFIXES)]
+    cluster, calibration = _cluster(sim)
+    cfg = load_config(job, _config_file(args.config))
+    specs = _specs(args.sandbox, list(cfg.emulation.sandbox_ranks))
+    cfg.emulation.sandbox_ranks = []  # the capture chooses its own ranks
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: expected 1 or more slices at once")
+    out = Path(args.out)
+    capture = Capture(cfg, str(out / "capture"), workers=args.workers, device=args.device).run()
+    print(f"graph: {capture.graph_path} ({capture.slices_run} slices run, {capture.slices_reused} reused)")
+    summary = Emulation(capture.graph_path, str(out / "emulation"), specs, cluster, calibration,
+                        device=args.device).run()
+    summary["graph_path"] = capture.graph_path
+    _print(summary)
+    atomic_write_text(str(out / "run.json"), json.dumps(summary, indent=1))
+    if args.json:
+        atomic_write_text(args.json, json.dumps(summary, indent=1))
+    return 0
+
+
+def _print(s: dict) -> None:
+    print(f"N={s['ranks']} ranks: {s['sandbox_count']} sandbox ({s['physical_fraction']:.6f} of the job), "
+          f"{s['materialized_ghosts']} direct-peer ghosts, {s['classes']} classes on {s['cluster']} "
+          f"(virtual clock; replay {s['sim_wall_s']:.3f} s)")
+    for row in s["sandbox"]:
+        print(f"  sandbox rank {row['virtual_rank']}: iteration {row['iteration_time_s'] * 1e3:.3f} ms "
+              f"(its own compute and waits: {row['recorded_iteration_s'] * 1e3:.3f} ms recorded), peak "
+              f"allocated {row['peak_allocated_bytes'] / 2**20:.2f} MiB, reserved "
+              f"{row['peak_reserved_bytes'] / 2**20:.2f} MiB")
+    print(f"job: iteration {s['iteration_time_s'] * 1e3:.3f} ms | {s['tokens_per_s_per_gpu']:.1f} "
+          f"tokens/s/GPU | MFU {s['mfu'] * 100:.2f}%")
+    if s.get("perfetto"):
+        print(f"perfetto: {s['perfetto']}")

@@ -1,0 +1,181 @@
+"""Hybrid emulation: sandbox ranks run for real, every other rank is replayed from the captured graph.
+
+`Emulation` runs the training job as the chosen sandbox ranks of the virtual world (P processes, one
+per sandbox; sandboxes that share a group exchange real data over gloo/NCCL, ghosts contribute data by
+the ghost policy), records each sandbox's own iteration (its real compute on the device clock, its
+communication, its memory), and replays the whole job with the DES: the sandboxes' recorded graphs
+take their ranks' places and every ghost runs its role's captured graph. Because the replay is one
+simulation of all N ranks, a ghost peer arrives when its own graph says, a collective ends when its
+last member (sandbox or ghost) arrives plus its modelled duration, and a late sandbox delays its
+ghost peers exactly as a late real rank would. That is the virtual clock: nothing is slept, the
+iteration time is computed.
+
+Pruning: the DES keeps ghosts in equivalence classes; the sandboxes split off only the classes of
+ranks whose groups see a sandbox (sim/classes.py), so the classes stay O(peers), not O(N). The
+summary reports N, the sandboxes, the direct-peer ghosts (emulate/sandbox.py) and the classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from prism_megatron.config.schema import ConfigError
+from prism_megatron.emulate.sandbox import direct_peers, resolve_sandbox
+from prism_megatron.graph import load_graph
+from prism_megatron.graph.check import GraphFileError
+from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable
+from prism_megatron.sim.cluster import ClusterConfig
+from prism_megatron.sim.des import Simulator
+from prism_megatron.sim.report import job_figures
+from prism_megatron.util import atomic_write_text
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
+
+
+class EmulationFailed(RuntimeError):
+    """The sandbox job failed; the message names its log."""
+
+
+@dataclass
+class Emulation:
+    """One emulation of the job captured in `graph_path` (see the module docstring)."""
+
+    graph_path: str
+    out_dir: str
+    sandbox: list[str]
+    """Virtual ranks or role names (emulate/sandbox.py)."""
+    cluster: ClusterConfig
+    calibration: Optional[object] = None
+    device: Optional[str] = None
+    """Where sandboxes run (default: the device the graph was captured for)."""
+    script: Path = EXAMPLE
+    timeout_s: float = 3600.0
+    trace_ranks: list[int] = field(default_factory=list)
+    """Ranks whose simulated timeline goes to `<out>/emulation.trace.json` (default: the sandboxes)."""
+
+    def run(self) -> dict:
+        start = time.perf_counter()
+        graph = load_graph(self.graph_path)
+        out = Path(self.out_dir)
+        (out / "sandbox").mkdir(parents=True, exist_ok=True)
+        cost = self.cluster.cost_model(self.calibration)
+        times = None
+        if "slowest" in self.sandbox:
+            times = Simulator(graph, cost).run().rank_times()
+        ranks = resolve_sandbox(self.sandbox, graph, times)
+        measured = self._run_sandbox(graph, ranks, out)
+        merged, rank_graphs = _with_sandbox(graph, measured)
+        result = Simulator(merged, cost, rank_graphs=rank_graphs).run(tuple(self.trace_ranks or ranks))
+        world = graph.world
+        figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
+                              self.cluster)
+        class_times = result.rank_times()
+        summary = {
+            **figures, "ranks": world.world_size, "sandbox_count": len(ranks),
+            "physical_fraction": len(ranks) / world.world_size,
+            "materialized_ghosts": len(direct_peers(graph, ranks)), "classes": len(result.classes),
+            "sim_wall_s": round(result.sim_wall_s, 4), "cluster": self.cluster.name,
+            "clock": "virtual", "compute_durations_from": graph.meta.get("device", "?"),
+            "sandbox": [{"virtual_rank": r, "iteration_time_s": float(class_times[r]),
+                         "recorded_iteration_s": _span_s(measured[r]),
+                         "peak_allocated_bytes": int(measured[r].peak_bytes),
+                         "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
+                         "memory_source": measured[r].memory_source} for r in ranks],
+            "wall_s": round(time.perf_counter() - start, 2)}
+        if result.timelines:
+            from prism_megatron.graph.perfetto import write_chrome_trace
+
+            trace = out / "emulation.trace.json"
+            write_chrome_trace(merged, sorted(result.timelines), str(trace), times=result.timelines,
+                               source="emulated", rank_graphs=rank_graphs)
+            summary["perfetto"] = str(trace)
+        atomic_write_text(str(out / "emulation.json"), json.dumps(summary, indent=1))
+        return summary
+
+    def _run_sandbox(self, graph: ExecutionGraph, ranks: list[int], out: Path) -> dict[int, RoleGraph]:
+        config = out / "config.yaml"
+        text = str(graph.meta.get("config", ""))
+        if not text:
+            raise ConfigError(f"{self.graph_path} holds no job config; capture it again with this version")
+        atomic_write_text(str(config), text)
+        device = self.device or _device_of(text)
+        trace = out / "sandbox" / "rank{rank}.prism"
+        for r in ranks:
+            Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
+        job = [str(self.script), "--prism-config", str(config), "--prism-sandbox-ranks",
+               *map(str, ranks), "--prism-trace-path", str(trace), "--device", device,
+               "--prism-summary-json", str(out / "sandbox" / "summary{rank}.json")]
+        if len(ranks) > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),
+                   "--master-port", str(_free_port()), *job]
+        else:
+            cmd = [sys.executable, *job]
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+            env.pop(key, None)
+        if device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", "1")
+        log = out / "sandbox" / "run.log"
+        with open(log, "w") as handle:
+            try:
+                rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                    timeout=self.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0:
+            raise EmulationFailed(f"the sandbox job (ranks {ranks}) failed ({rc}); see {log}")
+        graphs = {}
+        for r in ranks:
+            path = str(trace).replace("{rank}", str(r))
+            try:
+                g = load_graph(path, check=False)
+            except GraphFileError as err:
+                raise EmulationFailed(f"sandbox rank {r} wrote no usable graph ({err}); see {log}") from None
+            graphs[r] = (g.graph_of(r), g.strings)
+        return graphs
+
+
+def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph, dict[int, RoleGraph]]:
+    """The captured graph with one string table that also holds the sandboxes' strings, and the
+    sandboxes' graphs in it; `measured` becomes rank -> RoleGraph (remapped)."""
+    table = StringTable(graph.strings)
+    rank_graphs = {}
+    for rank, (g, strings) in list(measured.items()):
+        mapping = np.asarray([table(s) for s in strings], dtype="i4")
+        rank_graphs[rank] = g.remap_strings(mapping)
+        measured[rank] = rank_graphs[rank]
+    merged = ExecutionGraph(world=graph.world, roles=graph.roles, strings=table.strings, meta=graph.meta)
+    return merged, rank_graphs
+
+
+def _span_s(g: RoleGraph) -> float:
+    cols = g.columns
+    return float((cols["start_s"] + cols["duration_s"]).max()) if len(cols["start_s"]) else 0.0
+
+
+def _device_of(config_yaml: str) -> str:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(config_yaml) or {}
+        return str((cfg.get("train") or {}).get("device") or "cpu")
+    except (yaml.YAMLError, AttributeError):
+        return "cpu"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
