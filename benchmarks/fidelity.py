@@ -99,7 +99,7 @@ def real_runs(name: str, config: Path, world: int, device: str, reps: int, warmu
 
 
 def emulated_runs(name: str, config: Path, world: int, sandbox: list[str], device: str, reps: int,
-                  tmp: Path, cluster: str):
+                  tmp: Path, cluster: str, calibration):
     from prism_megatron.capture.run import Capture
     from prism_megatron.config import load_config
     from prism_megatron.emulate.run import Emulation
@@ -110,9 +110,32 @@ def emulated_runs(name: str, config: Path, world: int, sandbox: list[str], devic
     runs = []
     for rep in range(reps):
         emulation = Emulation(capture.graph_path, str(tmp / f"{name}-emu{rep}"), sandbox,
-                              load_cluster(cluster), device=device)
+                              load_cluster(cluster), calibration, device=device)
         runs.append(emulation.run())
     return runs
+
+
+def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> None:
+    from prism_megatron.util import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"date": str(date.today()), "machine": platform.node(),
+                                        "device": args.device, "cluster": cluster, "reps": args.reps,
+                                        "calibration": calibration_from, "iters": args.iters,
+                                        "warmup": args.warmup, "rows": rows}, indent=1))
+
+
+def _calibration(args, nproc: int):
+    from prism_megatron.comm.calibrate import calibrate
+    from prism_megatron.comm.cost import Calibration
+
+    path = args.calibration
+    if path is None and args.device == "cuda":
+        path = str(REPO / "benchmarks" / "results" / "calibration-h200x2-2026-11-30.json")
+    if path:
+        return Calibration.from_json(Path(path).read_text()), path
+    with tempfile.TemporaryDirectory() as tmp:
+        data = calibrate("cpu", nproc, 1 << 10, 1 << 24, os.path.join(tmp, "cal.json"), fit_min_bytes=1 << 10)
+    return Calibration(points=data["points"], fits=data["fits"], device=data["device"]), data["device"]
 
 
 def main() -> int:
@@ -124,6 +147,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cluster", default=None, help="network of the emulation (default: h200x2 on "
                                                         "cuda, cpu_host on cpu)")
+    parser.add_argument("--calibration", default=None,
+                        help="network calibration (default: on cpu, measured here first with gloo; on cuda, "
+                             "benchmarks/results/calibration-h200x2-2026-11-30.json)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--list", action="store_true", help="name the configs and exit")
     args = parser.parse_args()
@@ -137,6 +163,10 @@ def main() -> int:
               file=sys.stderr)
         return 2
     cluster = args.cluster or ("h200x2" if args.device == "cuda" else "cpu_host")
+    machine = "h200" if args.device == "cuda" else platform.node()
+    path = args.json or str(REPO / "benchmarks" / "results" / f"fidelity-{machine}-{date.today()}.json")
+    calibration, calibration_from = _calibration(args, max(CONFIGS[c][0] for c in args.configs))
+    print(f"network: {cluster}, calibration {calibration_from}")
     rows = []
     header = (f"{'config':>20}{'N':>3}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
               f"{'real peak MiB':>15}{'emu peak MiB':>14}{'mem err':>10}")
@@ -146,7 +176,8 @@ def main() -> int:
         for name in args.configs:
             config, world, sandbox = config_file(name, args.device, args.iters, tmp)
             real, peaks = real_runs(name, config, world, args.device, args.reps, args.warmup, tmp)
-            emus = emulated_runs(name, config, world, sandbox, args.device, args.reps, tmp, cluster)
+            emus = emulated_runs(name, config, world, sandbox, args.device, args.reps, tmp, cluster,
+                                 calibration)
             real_s = statistics.median(real)
             emu_s = statistics.median(e["iteration_time_s"] for e in emus)
             rank = emus[0]["sandbox"][0]["virtual_rank"]
@@ -161,19 +192,13 @@ def main() -> int:
                    "physical_fraction": emus[0]["physical_fraction"],
                    "config_yaml": yaml.safe_load(config.read_text())}
             rows.append(row)
+            _write(path, args, cluster, calibration_from, rows)  # after every config: nothing is lost
             print(f"{name:>20}{world:>3}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
                   f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
                   f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%", flush=True)
     errors = [abs(r["iter_err_pct"]) for r in rows]
     print(f"mean |iteration error| {statistics.mean(errors):.2f}%, max {max(errors):.2f}%; "
           f"max |memory error| {max(abs(r['mem_err_pct']) for r in rows):.4f}%")
-    from prism_megatron.util import atomic_write_text
-
-    machine = "h200" if args.device == "cuda" else platform.node()
-    path = args.json or str(REPO / "benchmarks" / "results" / f"fidelity-{machine}-{date.today()}.json")
-    atomic_write_text(path, json.dumps({"date": str(date.today()), "machine": platform.node(),
-                                        "device": args.device, "cluster": cluster, "reps": args.reps,
-                                        "iters": args.iters, "warmup": args.warmup, "rows": rows}, indent=1))
     print(f"results: {path}")
     return 0
 

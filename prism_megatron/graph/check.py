@@ -19,6 +19,9 @@ class GraphFileError(ValueError):
 
 _UNMATCHED_DIMS = {"other"}  # groups outside megatron's dims: membership unknown
 _P2P = {"send": "recv", "recv": "send"}
+# Sizes that depend on the data: each member of an MoE all-to-all sends what its router chose, so the
+# members' byte counts legitimately differ (the replay takes the largest); only the op must match.
+DATA_DEPENDENT_SIZES = frozenset({"all_to_all"})
 
 
 def check_graph(graph: ExecutionGraph, path: str = "graph") -> None:
@@ -44,13 +47,14 @@ def check_graph(graph: ExecutionGraph, path: str = "graph") -> None:
                         f"{path}: collectives on {dim} do not match between roles {role} and "
                         f"{other_role} at call {where} ({len(seq)} vs {len(theirs)} calls; "
                         f"{_show(seq, where)} vs {_show(theirs, where)}): the graph mixes captures of "
-                        "different configs, or its slices disagree on data-dependent sizes (MoE token "
-                        "counts need a routing model shared by every slice)")
+                        "different configs, or roles whose programs differ with the data")
     _check_p2p(graph, path)
 
 
 def _show(seq: list[tuple[str, int]], i: int) -> str:
-    return f"{seq[i][0]} of {seq[i][1]} bytes" if i < len(seq) else "nothing"
+    if i >= len(seq):
+        return "nothing"
+    return seq[i][0] if seq[i][1] < 0 else f"{seq[i][0]} of {seq[i][1]} bytes"
 
 
 def _check_dag(g: RoleGraph, path: str, role) -> None:
@@ -72,7 +76,7 @@ def _collectives_by_dim(graph: ExecutionGraph, g: RoleGraph) -> dict[str, list[t
         op, dim = graph.string(int(cols["op"][i])), graph.string(int(cols["dim"][i]))
         if op in _P2P or dim in _UNMATCHED_DIMS:
             continue
-        out.setdefault(dim, []).append((op, int(cols["nbytes"][i])))
+        out.setdefault(dim, []).append((op, -1 if op in DATA_DEPENDENT_SIZES else int(cols["nbytes"][i])))
     return out
 
 

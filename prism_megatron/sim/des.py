@@ -270,11 +270,14 @@ class Simulator:
                         key = (dim, members, k)
                         if key not in done:
                             arrived = pending.setdefault(key, {})
-                            arrived[c] = (ready, i, cause)
+                            arrived[c] = (ready, i, cause, nbytes)
                             if len(arrived) < len(members):
                                 P_post[i] = ready
                                 break
                             t0, lcause = max(((v[0], v[2]) for v in arrived.values()), key=lambda x: x[0])
+                            # members' sizes differ only where the data decides (an MoE all-to-all):
+                            # the operation lasts as long as its largest member's share
+                            nbytes = max(v[3] for v in arrived.values())
                             latency, transfer, link = self.cost.parts(op, nbytes, placement)
                             end = t0 + latency + transfer + extra.get(key, 0.0)
                             flows.append((key, members, link, t0 + latency, transfer))
