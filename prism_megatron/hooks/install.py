@@ -177,7 +177,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
 def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
     if recorder is None and inst.device == "cuda":
-        recorder = Recorder(CudaClock(), torch.cuda.memory_allocated)
+        recorder = Recorder(CudaClock(), _cuda_allocated_bytes())
     elif recorder is None:
         tracker = inst.tracker
         recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes)
@@ -194,6 +194,22 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         mode = AtenLabels(recorder)
         mode.__enter__()
         inst._exits.append(lambda: mode.__exit__(None, None, None))
+
+
+def _cuda_allocated_bytes():
+    """A reader of the CUDA allocator's current allocated bytes for the recorder, which samples it at
+    every boundary: `torch.cuda.memory_allocated` builds, flattens and sorts every allocator statistic
+    on each call (~0.1 ms, thousands of times per iteration: measured +60% iteration time on an H200
+    run with module-level boundaries), so this reads the one counter from the nested statistics."""
+    nested = getattr(torch._C, "_cuda_memoryStats", None)
+    if nested is None:
+        return torch.cuda.memory_allocated
+    current = torch.cuda.current_device  # the process may select its GPU after install()
+
+    def read() -> int:
+        return int(nested(current())["allocated_bytes"]["all"]["current"])
+
+    return read
 
 
 def _install_model_hooks(inst: Installation) -> None:
