@@ -230,6 +230,7 @@ def _finish(summary, inst, summary_path):
         summary["memory"] = inst.tracker.snapshot()
     if inst.session is not None:
         summary["comm"] = inst.session.log.rows()
+        summary["backend_host_s"] = inst.session.log.host_s
     if summary_path:
         atomic_write_text(per_rank_path(summary_path, summary["virtual_rank"]),
                           json.dumps(summary, indent=1))

@@ -129,6 +129,48 @@ def test_captured_memory_equals_the_real_rank_byte_for_byte(real_and_captured, r
     assert g.memory_source == "tracker" and len(g.mem_bytes) == len(g.mem_t_s) > 0
 
 
+def test_emulating_two_sandboxes_gives_their_real_memory_and_the_job_figures(real_and_captured, tmp_path):
+    """Hybrid emulation of the captured job: the first and last stage's lowest ranks run for real (two
+    processes, real gloo p2p between them), the other 6 ranks are replayed from the graph."""
+    name, tmp, summary, graph = real_and_captured
+    if name != "tp2pp2dp2":
+        pytest.skip("one config is enough")
+    proc = subprocess.run(
+        [sys.executable, "-m", "prism_megatron.cli", "emulate", summary["graph_path"], "--out",
+         str(tmp_path / "emu"), "--sandbox", "first-stage,last-stage", "cluster=cpu_host", "--json",
+         str(tmp_path / "emu.json")], capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "emu.json").read_text())
+    for key in ("iteration_time_s", "tokens_per_s_per_gpu", "mfu", "physical_fraction", "materialized_ghosts",
+                "classes", "sandbox"):
+        assert key in out
+    assert out["ranks"] == 8 and out["physical_fraction"] == 2 / 8
+    ranks = [row["virtual_rank"] for row in out["sandbox"]]
+    assert ranks == [0, 4]  # order tp-cp-ep-dp-pp: stage 1 starts at rank 4
+    for row in out["sandbox"]:
+        real = json.loads((tmp / "real" / f"summary.rank{row['virtual_rank']}.json").read_text())
+        assert row["peak_allocated_bytes"] == real["peak_tracked_bytes"]
+        assert 0 < row["iteration_time_s"] <= out["iteration_time_s"]
+    # ghosts that exchange data with a sandbox: its TP partner and DP ring neighbour; the PP
+    # neighbour of each is the other sandbox
+    assert out["materialized_ghosts"] == 4 and 2 < out["classes"] <= 8
+    assert (tmp_path / "emu" / "emulation.trace.json").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sandbox", "middle-stage"], "expected a virtual rank or one of"),
+    (["--sandbox", "99"], "outside the virtual world of 8"),
+])
+def test_emulate_bad_sandbox_is_one_line_and_exit_2(real_and_captured, tmp_path, args, message):
+    name, _, summary, _ = real_and_captured
+    if name != "tp2pp2dp2":
+        pytest.skip("one config is enough")
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "emulate", summary["graph_path"],
+                           "--out", str(tmp_path / "emu"), *args], capture_output=True, text=True, env=ENV,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_graph_columns_are_well_formed(real_and_captured):
     _, _, _, graph = real_and_captured
     for g in graph.roles.values():

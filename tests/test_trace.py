@@ -81,6 +81,27 @@ def test_segments_are_named_by_the_innermost_label_and_ordered_per_stream():
     assert g.peak_bytes == 100 and set(g.mem_bytes.tolist()) == {7}
 
 
+def test_coarse_memory_sampling_keeps_the_nodes_and_reads_memory_only_at_spans_and_comm():
+    def run(fine):
+        reads = []
+        rec = Recorder(FakeClock(), lambda: reads.append(1) or 7, memory_at_module_boundaries=fine)
+        rec.begin_iteration()
+        rec.enter("forward_backward")
+        rec.span_begin("forward", 0, 0)
+        rec.enter("decoder.layers.0.mlp")
+        rec.wait_end(rec.wait_begin(_comm(rec)))
+        rec.exit()
+        rec.span_end()
+        rec.exit()
+        g, names, _ = _built(rec)
+        return names, g.dep_ptr.tolist(), g.dep_idx.tolist(), len(reads), len(g.mem_bytes)
+
+    fine, coarse = run(True), run(False)
+    assert fine[:3] == coarse[:3]  # the same program
+    assert fine[3] == 9 and coarse[3] == 5  # every cut, against iteration, span begin/end, issue, wait
+    assert coarse[4] < fine[4]
+
+
 def test_async_work_waited_later_makes_the_waiting_segment_depend_on_it():
     rec = Recorder(FakeClock(), lambda: 0)
     rec.begin_iteration()

@@ -46,6 +46,9 @@ class CommLog:
     issue_listeners: list[Callable[[object], None]] = field(default_factory=list)
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    host_s: float = 0.0
+    """Host time spent inside the backend's operations (ghost folding, logging, and any real
+    exchange between sandboxes), for the emulator's overhead figure."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, event: CommEvent) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Sequence
 
 import numpy as np
@@ -30,9 +31,12 @@ def operation(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        start = time.perf_counter()
         with torch.no_grad(), _suspended_dispatch_modes():
             work = method(self, *args, **kwargs)
-        self.session.log.issued(work)
+        log = self.session.log
+        log.issued(work)
+        log.host_s += time.perf_counter() - start
         return work
 
     return run

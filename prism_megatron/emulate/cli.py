@@ -91,6 +91,10 @@ def _print(s: dict) -> None:
               f"(its own compute and waits: {row['recorded_iteration_s'] * 1e3:.3f} ms recorded), peak "
               f"allocated {row['peak_allocated_bytes'] / 2**20:.2f} MiB, reserved "
               f"{row['peak_reserved_bytes'] / 2**20:.2f} MiB")
+        if row.get("overhead_ratio") is not None:
+            print(f"    emulator overhead: backend {row['backend_host_s_per_iteration'] * 1e3:.2f} "
+                  f"ms/iteration + replay {row['replay_s'] * 1e3:.2f} ms = "
+                  f"{row['overhead_ratio'] * 100:.2f}% of its compute")
     print(f"job: iteration {s['iteration_time_s'] * 1e3:.3f} ms | {s['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {s['mfu'] * 100:.2f}%")
     if s.get("perfetto"):

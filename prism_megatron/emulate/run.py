@@ -80,6 +80,8 @@ class Emulation:
         figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
                               self.cluster)
         class_times = result.rank_times()
+        overhead = {r: _overhead(out / "sandbox" / f"summary{r}.json", measured[r], result.sim_wall_s)
+                    for r in ranks}
         summary = {
             **figures, "ranks": world.world_size, "sandbox_count": len(ranks),
             "physical_fraction": len(ranks) / world.world_size,
@@ -90,7 +92,7 @@ class Emulation:
                          "recorded_iteration_s": _span_s(measured[r]),
                          "peak_allocated_bytes": int(measured[r].peak_bytes),
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
-                         "memory_source": measured[r].memory_source} for r in ranks],
+                         "memory_source": measured[r].memory_source, **overhead[r]} for r in ranks],
             "wall_s": round(time.perf_counter() - start, 2)}
         if result.timelines:
             from prism_megatron.graph.perfetto import write_chrome_trace
@@ -156,6 +158,19 @@ def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph
         measured[rank] = rank_graphs[rank]
     merged = ExecutionGraph(world=graph.world, roles=graph.roles, strings=table.strings, meta=graph.meta)
     return merged, rank_graphs
+
+
+def _overhead(summary_path: Path, g: RoleGraph, replay_s: float) -> dict:
+    """The emulator's own host time per iteration (the backend's operations, averaged over the run,
+    plus the replay) against the sandbox's compute in the recorded iteration."""
+    try:
+        run = json.loads(summary_path.read_text())
+        backend_s = float(run.get("backend_host_s", 0.0)) / max(1, len(run.get("iteration_times_ms", [])))
+    except (OSError, ValueError):
+        return {}
+    compute_s = float(g.columns["duration_s"][g.columns["kind"] == 0].sum())
+    return {"backend_host_s_per_iteration": backend_s, "replay_s": replay_s, "compute_s": compute_s,
+            "overhead_ratio": (backend_s + replay_s) / compute_s if compute_s > 0 else None}
 
 
 def _span_s(g: RoleGraph) -> float:

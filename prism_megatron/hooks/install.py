@@ -177,7 +177,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
 def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
     if recorder is None and inst.device == "cuda":
-        recorder = Recorder(CudaClock(), _cuda_allocated_bytes())
+        recorder = Recorder(CudaClock(), _cuda_allocated_bytes(), memory_at_module_boundaries=False)
     elif recorder is None:
         tracker = inst.tracker
         recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes)

@@ -40,6 +40,8 @@ class CudaClock:
         self._torch = torch
         self._default = torch.cuda.default_stream()
         self._record = torch.cuda.Event.record  # before the recorder's own hook wraps it
+        # current_stream() builds a Stream object per call; the recorder asks at every boundary
+        self._current = getattr(torch._C, "_cuda_getCurrentStream", None)
 
     def mark(self) -> Any:
         event = self._torch.cuda.Event(enable_timing=True)
@@ -47,11 +49,16 @@ class CudaClock:
         return event
 
     def stream(self) -> str:
-        return self.name_of(self._torch.cuda.current_stream())
+        if self._current is None:
+            return self.name_of(self._torch.cuda.current_stream())
+        return self._name(self._current(self._torch.cuda.current_device())[0])
 
     def name_of(self, stream: Any) -> str:
-        """The graph's name of a CUDA stream: `compute` for the default one."""
-        return "compute" if stream == self._default else f"cuda_stream{stream.stream_id}"
+        """The graph's name of a CUDA stream: `compute` for the (current device's) default one."""
+        return self._name(stream.stream_id)
+
+    def _name(self, stream_id: int) -> str:
+        return "compute" if stream_id == self._default.stream_id else f"cuda_stream{stream_id}"
 
     def seconds(self, marks: Sequence[Any], origin: Any) -> np.ndarray:
         self._torch.cuda.synchronize()

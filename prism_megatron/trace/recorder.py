@@ -70,13 +70,18 @@ class Recorder:
     """Collects one rank's events; `build` turns one iteration into a RoleGraph."""
 
     def __init__(self, clock: Any, allocated_bytes: Callable[[], int],
-                 blocking_collectives: Optional[bool] = None) -> None:
+                 blocking_collectives: Optional[bool] = None,
+                 memory_at_module_boundaries: bool = True) -> None:
         """`blocking_collectives`: the host thread is held until a collective completes (gloo on
         CPU: the next compute depends on the collective itself); default: when the clock is the
-        host's. On GPU a collective only joins the compute stream where it is waited for."""
+        host's. On GPU a collective only joins the compute stream where it is waited for.
+        `memory_at_module_boundaries`: sample `allocated_bytes` at every module boundary too, not
+        only at spans, communication and waits (on GPU reading the allocator costs host time that a
+        launch-bound run pays as device idle; its peak comes from the allocator anyway)."""
         self.clock = clock
         self.blocking = (clock.kind == "cpu") if blocking_collectives is None else blocking_collectives
         self._allocated = allocated_bytes
+        self._fine_memory = memory_at_module_boundaries
         self._lock = threading.RLock()
         now = clock.mark()
         self.setup = _Iteration(origin=now)
@@ -93,19 +98,19 @@ class Recorder:
 
     def enter(self, label: str) -> None:
         with self._lock:
-            self._cut()
+            self._cut(self._fine_memory)
             self._labels.append(label)
 
     def exit(self) -> None:
         with self._lock:
-            self._cut()
+            self._cut(self._fine_memory)
             if len(self._labels) > 1:
                 self._labels.pop()
 
     def backward_at(self, label: str) -> None:
         """Autograd reached `label`'s backward: what follows in the open backward span is its."""
         with self._lock:
-            self._cut()
+            self._cut(self._fine_memory)
             for i in range(len(self._open_spans) - 1, -1, -1):
                 if self._open_spans[i][0] == "backward":
                     self._labels[self._open_spans[i][5]] = label
@@ -229,14 +234,15 @@ class Recorder:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _cut(self) -> Any:
+    def _cut(self, sample_memory: bool = True) -> Any:
         """Close the compute segment that ends now; return the mark."""
         now = self.clock.mark()
         it, stream = self._cur, self.clock.stream()
         deps = ([it.last[stream]] if stream in it.last else []) + self._pending.pop(stream, [])
         it.last[stream] = len(it.nodes)
         it.nodes.append(_Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
-        it.mem.append((now, self._allocated()))
+        if sample_memory:
+            it.mem.append((now, self._allocated()))
         self._seg_start = now
         return now
 

@@ -1,0 +1,70 @@
+"""Benchmark: one process emulates one rank of an N = 8192 job (TP8 PP16 DP64) on this machine.
+
+Captures the built-in default config (or `--config`/overrides) unless `--graph` is given, then runs
+`emulate` with each sandbox spec in turn (default: first-stage, 4711, last-stage), one process each,
+and prints per sandbox: the physical fraction, the direct-peer ghosts and the DES classes (goal: a
+number of peers, independent of N), the emulated job's iteration time, the sandbox's peak memory, and
+the emulator's own overhead per iteration (host time in the backend's operations plus the replay) as
+a ratio to the sandbox's compute (issue [D]'s goal: <= 5%).
+
+    python benchmarks/emulate_scale.py [key=value ...] [--graph G] [--sandbox first-stage 4711] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from prism_megatron.capture.run import Capture  # noqa: E402
+from prism_megatron.config import load_config  # noqa: E402
+from prism_megatron.emulate.run import Emulation  # noqa: E402
+from prism_megatron.sim.cluster import load_cluster  # noqa: E402
+from prism_megatron.util import atomic_write_text  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    parser.add_argument("--graph", default=None, help="a captured graph (default: capture the config)")
+    parser.add_argument("--sandbox", nargs="+", default=["first-stage", "4711", "last-stage"])
+    parser.add_argument("--cluster", default="dgx_h100")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        graph = args.graph
+        if graph is None:
+            cfg = load_config(["emulation.sandbox_ranks=[]", "train.device=cpu", *args.overrides],
+                              args.config)
+            graph = Capture(cfg, os.path.join(tmp, "capture"), log=lambda s: None).run().graph_path
+        print(f"{'sandbox':>12}{'rank':>6}{'N':>6}{'fraction':>11}{'peer ghosts':>13}{'classes':>9}"
+              f"{'job iter ms':>13}{'peak MiB':>10}{'backend ms':>12}{'replay ms':>11}{'overhead':>10}")
+        for spec in args.sandbox:
+            out = Emulation(graph, os.path.join(tmp, f"emu-{spec}"), [spec], load_cluster(args.cluster)).run()
+            s = out["sandbox"][0]
+            row = {"spec": spec, **{k: v for k, v in out.items() if k != "sandbox"}, **s}
+            rows.append(row)
+            print(f"{spec:>12}{s['virtual_rank']:>6}{out['ranks']:>6}{out['physical_fraction']:>11.6f}"
+                  f"{out['materialized_ghosts']:>13}{out['classes']:>9}{out['iteration_time_s'] * 1e3:>13.2f}"
+                  f"{s['peak_allocated_bytes'] / 2**20:>10.2f}"
+                  f"{s['backend_host_s_per_iteration'] * 1e3:>12.2f}"
+                  f"{s['replay_s'] * 1e3:>11.2f}{s['overhead_ratio'] * 100:>9.2f}%", flush=True)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"date": str(date.today()), "machine": platform.node(),
+                                                 "cpus": os.cpu_count(), "graph": args.graph or "captured",
+                                                 "cluster": args.cluster, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
