@@ -173,9 +173,12 @@ def train(cfg, inst, summary_path):
     pp_group, last_stage = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
     summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(), "losses": [],
                "grad_norms": [], "iteration_times_ms": [],
-               "ghost_policy": cfg.emulation.ghost_policy if inst.virtual else None}
+               "ghost_policy": cfg.emulation.ghost_policy if inst.virtual else None,
+               "backend_host_s_per_iteration": []}
+    log = inst.session.log if inst.session is not None else None
     for it in range(1, t.iters + 1):
         start = time.perf_counter()
+        backend_start = log.host_s if log is not None else 0.0
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -193,6 +196,8 @@ def train(cfg, inst, summary_path):
         summary["losses"].append(loss)
         summary["grad_norms"].append(float(grad_norm) if grad_norm is not None else None)
         summary["iteration_times_ms"].append(elapsed_ms)
+        if log is not None:  # the prism backend's own host time in this iteration
+            summary["backend_host_s_per_iteration"].append(log.host_s - backend_start)
         shown = "n/a" if loss is None else f"{loss:.6E}"
         print(f" [rank {rank}] iteration {it}/{t.iters} | lm loss: {shown} | grad norm: "
               f"{summary['grad_norms'][-1]} | iteration time (ms): {elapsed_ms:.1f}", flush=True)
@@ -230,7 +235,6 @@ def _finish(summary, inst, summary_path):
         summary["memory"] = inst.tracker.snapshot()
     if inst.session is not None:
         summary["comm"] = inst.session.log.rows()
-        summary["backend_host_s"] = inst.session.log.host_s
     if summary_path:
         atomic_write_text(per_rank_path(summary_path, summary["virtual_rank"]),
                           json.dumps(summary, indent=1))

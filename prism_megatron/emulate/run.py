@@ -161,16 +161,23 @@ def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph
 
 
 def _overhead(summary_path: Path, g: RoleGraph, replay_s: float) -> dict:
-    """The emulator's own host time per iteration (the backend's operations, averaged over the run,
-    plus the replay) against the sandbox's compute in the recorded iteration."""
+    """The emulator's own host time per iteration, the backend's operations in the recorded
+    iteration, against the sandbox's compute in it; the backend's host time per operation (which does
+    not depend on the model size); and the replay's time (the oracle, once per emulation)."""
     try:
-        run = json.loads(summary_path.read_text())
-        backend_s = float(run.get("backend_host_s", 0.0)) / max(1, len(run.get("iteration_times_ms", [])))
+        per_iteration = json.loads(summary_path.read_text()).get("backend_host_s_per_iteration") or []
     except (OSError, ValueError):
         return {}
+    if not per_iteration:
+        return {}
+    # the recorded iteration: the last full one (trace/output.py)
+    backend_s = float(per_iteration[-2] if len(per_iteration) >= 2 else per_iteration[-1])
     compute_s = float(g.columns["duration_s"][g.columns["kind"] == 0].sum())
-    return {"backend_host_s_per_iteration": backend_s, "replay_s": replay_s, "compute_s": compute_s,
-            "overhead_ratio": (backend_s + replay_s) / compute_s if compute_s > 0 else None}
+    ops = int((g.columns["kind"] != 0).sum())
+    return {"backend_host_s_per_iteration": backend_s, "comm_ops_per_iteration": ops,
+            "backend_host_s_per_op": backend_s / ops if ops else 0.0, "replay_s": replay_s,
+            "compute_s": compute_s,
+            "overhead_ratio": backend_s / compute_s if compute_s > 0 else None}
 
 
 def _span_s(g: RoleGraph) -> float:
