@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--out", required=True, help="directory for the sandbox run and its results")
             cmd.add_argument("--device", choices=("cpu", "cuda"), default=None,
                              help="where the sandboxes run (default: the capture's device)")
+            cmd.add_argument("--clock", choices=("virtual", "realtime"), default="virtual",
+                             help="virtual: compute the iteration time; realtime: then run the sandboxes "
+                                  "again with the computed waits injected and report their wall clock")
             cmd.add_argument("--json", default=None, help="write the summary JSON here too")
             continue
         if name == "export":

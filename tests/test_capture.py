@@ -157,6 +157,28 @@ def test_emulating_two_sandboxes_gives_their_real_memory_and_the_job_figures(rea
     assert (tmp_path / "emu" / "emulation.trace.json").is_file()
 
 
+def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
+    """clock=realtime: the sandbox runs again with the replay's waits injected (a sleep on CPU) and its
+    measured wall-clock iteration lands near the virtual figure (CPU timing noise allowed)."""
+    name, _, summary, graph = real_and_captured
+    if name != "tp2pp2dp2":
+        pytest.skip("one config is enough")
+    proc = subprocess.run(
+        [sys.executable, "-m", "prism_megatron.cli", "emulate", summary["graph_path"], "--out",
+         str(tmp_path / "emu"), "--sandbox", "last-stage", "--clock", "realtime", "cluster=cpu_host",
+         "--json", str(tmp_path / "emu.json")],
+        capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "emu.json").read_text())
+    (row,) = out["sandbox"]
+    rank = row["virtual_rank"]
+    plan = json.loads((tmp_path / "emu" / "delay_plan.json").read_text())["delays_s"][str(rank)]
+    sandbox = load_graph(str(tmp_path / "emu" / "sandbox" / f"rank{rank}.prism"), check=False)
+    assert len(plan) == int((sandbox.graph_of(rank).columns["kind"] != 0).sum())
+    assert all(w >= 0 for w in plan) and sum(plan) > 0
+    assert out["clock"] == "realtime" and abs(row["realtime_vs_virtual_pct"]) < 25
+
+
 @pytest.mark.parametrize("args,message", [
     (["--sandbox", "middle-stage"], "expected a virtual rank or one of"),
     (["--sandbox", "99"], "outside the virtual world of 8"),

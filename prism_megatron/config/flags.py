@@ -27,7 +27,9 @@ from prism_megatron.config.schema import (
 )
 
 # --prism-<name> -> emulation.<field>; help comes from the field docstring.
-PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_seed", "gpus_per_node")
+PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_seed", "gpus_per_node", "clock",
+               "delay_plan")
+_STR_FLAGS = ("ghost_policy", "clock", "delay_plan")
 # --prism-trace-<name> -> trace.<field>
 TRACE_FLAGS = {"path": str, "granularity": str, "iteration": int}
 
@@ -96,8 +98,7 @@ def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if name == "sandbox_ranks":
             group.add_argument(flag, type=int, nargs="+", default=None, help=doc)
         else:
-            group.add_argument(flag, type=int if name != "ghost_policy" else str, default=None,
-                               help=doc)
+            group.add_argument(flag, type=str if name in _STR_FLAGS else int, default=None, help=doc)
     for name, kind in TRACE_FLAGS.items():
         group.add_argument("--prism-trace-" + name, type=kind, default=None,
                            help=_field(f"trace.{name}")[1])

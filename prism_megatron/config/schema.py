@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 GHOST_POLICIES = ("mirror", "zeros", "random")
+CLOCKS = ("virtual", "realtime")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "aten")
@@ -50,9 +51,21 @@ class EmulationConfig:
     gpus_per_node: int = 8
     """GPUs per node of the emulated cluster (placement of virtual ranks on nodes)."""
 
+    clock: str = "virtual"
+    """virtual: nothing is slept, the iteration time is computed by the replay; realtime: the waits the
+    replay computed (`delay_plan`) are injected into the sandbox's communication (a sleep on CPU, a
+    delay kernel on the GPU's stream), so it runs at the production duty cycle."""
+
+    delay_plan: Optional[str] = None
+    """JSON of the waits to inject per communication operation of an iteration (clock=realtime);
+    `prism-megatron emulate --clock realtime` writes it."""
+
     def __post_init__(self) -> None:
         _require_positive("emulation", virtual_world_size=self.virtual_world_size,
                           gpus_per_node=self.gpus_per_node)
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"emulation.clock={self.clock!r} is unknown; expected one of "
+                              f"{', '.join(CLOCKS)}")
         if self.ghost_policy not in GHOST_POLICIES:
             raise ConfigError(
                 f"emulation.ghost_policy={self.ghost_policy!r} is unknown; expected one of "
@@ -235,6 +248,12 @@ class PrismConfig:
 
     def __post_init__(self) -> None:
         self.check_world(self.emulation.virtual_world_size)
+        e = self.emulation
+        if e.clock == "realtime" and (e.delay_plan is None or e.virtual_world_size is None
+                                      or self.trace.path is None):
+            raise ConfigError("emulation.clock=realtime needs a virtual world, emulation.delay_plan and "
+                              "trace.path (the recorder places the waits); run `prism-megatron emulate "
+                              "--clock realtime`, which sets all three")
 
     def check_world(self, world_size: Optional[int]) -> None:
         """Validate the sizes against a world of `world_size` ranks (None: physical, not known yet)."""

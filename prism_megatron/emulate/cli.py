@@ -48,7 +48,7 @@ def emulate_command(args) -> int:
 
     cluster, calibration = _cluster(args.overrides)
     summary = Emulation(args.graph, args.out, _specs(args.sandbox, []), cluster, calibration,
-                        device=args.device).run()
+                        device=args.device, clock=args.clock).run()
     _print(summary)
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
@@ -73,7 +73,7 @@ def run_command(args) -> int:
     capture = Capture(cfg, str(out / "capture"), workers=args.workers, device=args.device).run()
     print(f"graph: {capture.graph_path} ({capture.slices_run} slices run, {capture.slices_reused} reused)")
     summary = Emulation(capture.graph_path, str(out / "emulation"), specs, cluster, calibration,
-                        device=args.device).run()
+                        device=args.device, clock=args.clock).run()
     summary["graph_path"] = capture.graph_path
     _print(summary)
     atomic_write_text(str(out / "run.json"), json.dumps(summary, indent=1))
@@ -85,12 +85,15 @@ def run_command(args) -> int:
 def _print(s: dict) -> None:
     print(f"N={s['ranks']} ranks: {s['sandbox_count']} sandbox ({s['physical_fraction']:.6f} of the job), "
           f"{s['materialized_ghosts']} direct-peer ghosts, {s['classes']} classes on {s['cluster']} "
-          f"(virtual clock; replay {s['sim_wall_s']:.3f} s)")
+          f"({s['clock']} clock; replay {s['sim_wall_s']:.3f} s)")
     for row in s["sandbox"]:
         print(f"  sandbox rank {row['virtual_rank']}: iteration {row['iteration_time_s'] * 1e3:.3f} ms "
               f"(its own compute and waits: {row['recorded_iteration_s'] * 1e3:.3f} ms recorded), peak "
               f"allocated {row['peak_allocated_bytes'] / 2**20:.2f} MiB, reserved "
               f"{row['peak_reserved_bytes'] / 2**20:.2f} MiB")
+        if "realtime_iteration_s" in row:
+            print(f"    realtime: measured {row['realtime_iteration_s'] * 1e3:.3f} ms with the waits "
+                  f"injected ({row['realtime_vs_virtual_pct']:+.2f}% against the virtual figure)")
         if row.get("overhead_ratio") is not None:
             print(f"    emulator overhead: backend {row['backend_host_s_per_iteration'] * 1e3:.2f} "
                   f"ms/iteration = {row['overhead_ratio'] * 100:.2f}% of its compute "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import yaml
 
 from prism_megatron.config.schema import ConfigError
 from prism_megatron.emulate.sandbox import direct_peers, resolve_sandbox
@@ -62,6 +63,10 @@ class Emulation:
     timeout_s: float = 3600.0
     trace_ranks: list[int] = field(default_factory=list)
     """Ranks whose simulated timeline goes to `<out>/emulation.trace.json` (default: the sandboxes)."""
+    clock: str = "virtual"
+    """virtual: the iteration time is computed; realtime: then the sandboxes run again with the
+    computed waits injected (`<out>/delay_plan.json`), and their measured wall-clock iteration is
+    reported beside the virtual figure."""
 
     def run(self) -> dict:
         start = time.perf_counter()
@@ -73,9 +78,11 @@ class Emulation:
         if "slowest" in self.sandbox:
             times = Simulator(graph, cost).run().rank_times()
         ranks = resolve_sandbox(self.sandbox, graph, times)
-        measured = self._run_sandbox(graph, ranks, out)
+        text = str(graph.meta.get("config", ""))
+        measured = self._run_sandbox(text, ranks, out / "sandbox")
         merged, rank_graphs = _with_sandbox(graph, measured)
-        result = Simulator(merged, cost, rank_graphs=rank_graphs).run(tuple(self.trace_ranks or ranks))
+        result = Simulator(merged, cost, rank_graphs=rank_graphs).run(
+            tuple(sorted({*(self.trace_ranks or ranks), *ranks})))
         world = graph.world
         figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
                               self.cluster)
@@ -94,6 +101,9 @@ class Emulation:
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
                          "memory_source": measured[r].memory_source, **overhead[r]} for r in ranks],
             "wall_s": round(time.perf_counter() - start, 2)}
+        if self.clock == "realtime":
+            summary["clock"] = "realtime"
+            self._realtime(text, ranks, out, result, rank_graphs, summary)
         if result.timelines:
             from prism_megatron.graph.perfetto import write_chrome_trace
 
@@ -104,19 +114,35 @@ class Emulation:
         atomic_write_text(str(out / "emulation.json"), json.dumps(summary, indent=1))
         return summary
 
-    def _run_sandbox(self, graph: ExecutionGraph, ranks: list[int], out: Path) -> dict[int, RoleGraph]:
-        config = out / "config.yaml"
-        text = str(graph.meta.get("config", ""))
+    def _realtime(self, text: str, ranks: list[int], out: Path, result, rank_graphs: dict,
+                  summary: dict) -> None:
+        """Run the sandboxes again with the replay's waits injected; report their wall-clock time."""
+        plan = {"delays_s": {str(r): waits(rank_graphs[r], *result.timelines[r]) for r in ranks}}
+        path = out / "delay_plan.json"
+        atomic_write_text(str(path), json.dumps(plan))
+        job = yaml.safe_load(text)
+        job["emulation"].update(clock="realtime", delay_plan=str(path))
+        self._run_sandbox(yaml.safe_dump(job, sort_keys=False), ranks, out / "realtime")
+        for row in summary["sandbox"]:
+            run = json.loads((out / "realtime" / f"summary{row['virtual_rank']}.json").read_text())
+            times = run["iteration_times_ms"]
+            wall = (times[-2] if len(times) >= 2 else times[-1]) * 1e-3  # the recorded iteration
+            row["realtime_iteration_s"] = wall
+            row["realtime_vs_virtual_pct"] = (wall / row["iteration_time_s"] - 1) * 100
+
+    def _run_sandbox(self, text: str, ranks: list[int], out: Path) -> dict[int, RoleGraph]:
         if not text:
             raise ConfigError(f"{self.graph_path} holds no job config; capture it again with this version")
+        out.mkdir(parents=True, exist_ok=True)
+        config = out / "config.yaml"
         atomic_write_text(str(config), text)
         device = self.device or _device_of(text)
-        trace = out / "sandbox" / "rank{rank}.prism"
+        trace = out / "rank{rank}.prism"
         for r in ranks:
             Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
         job = [str(self.script), "--prism-config", str(config), "--prism-sandbox-ranks",
                *map(str, ranks), "--prism-trace-path", str(trace), "--device", device,
-               "--prism-summary-json", str(out / "sandbox" / "summary{rank}.json")]
+               "--prism-summary-json", str(out / "summary{rank}.json")]
         if len(ranks) > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),
                    "--master-port", str(_free_port()), *job]
@@ -127,7 +153,7 @@ class Emulation:
             env.pop(key, None)
         if device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")
-        log = out / "sandbox" / "run.log"
+        log = out / "run.log"
         with open(log, "w") as handle:
             try:
                 rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
@@ -145,6 +171,18 @@ class Emulation:
                 raise EmulationFailed(f"sandbox rank {r} wrote no usable graph ({err}); see {log}") from None
             graphs[r] = (g.graph_of(r), g.strings)
         return graphs
+
+
+def waits(g: RoleGraph, post: np.ndarray, fin: np.ndarray) -> list[float]:
+    """Per communication node of `g` in program order: how much longer than the sandbox's own call
+    the replay held it there (the wait for ghost peers plus the modelled transfer); >= 0."""
+    cols = g.columns
+    out = []
+    for i in np.nonzero(cols["kind"] != 0)[0].tolist():
+        deps = g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]]
+        ready = float(max((fin[d] for d in deps), default=post[i]))
+        out.append(max(0.0, float(fin[i]) - ready - float(cols["duration_s"][i])))
+    return out
 
 
 def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph, dict[int, RoleGraph]]:

@@ -24,8 +24,10 @@ script runs as launched, which is the plain baseline the emulation is compared w
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from prism_megatron.comm.backend import register_prism_backend
 from prism_megatron.comm.session import VirtualSession
-from prism_megatron.config.schema import PrismConfig
+from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.hooks.megatron import make_initialize_model_parallel
 from prism_megatron.hooks.schedules import ScheduleHooks
 from prism_megatron.hooks.torch_dist import (
@@ -147,6 +149,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         inst.session = session
         if inst.recorder is not None:
             connect_comm(inst.recorder, session)
+            if cfg.emulation.clock == "realtime":
+                inst.recorder.inject_delays(_delays_of(cfg.emulation.delay_plan, session.virtual_rank))
 
     def session_of() -> Optional[VirtualSession]:
         return inst.session
@@ -194,6 +198,16 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         mode = AtenLabels(recorder)
         mode.__enter__()
         inst._exits.append(lambda: mode.__exit__(None, None, None))
+
+
+def _delays_of(path: Optional[str], rank: int) -> list[float]:
+    """This rank's waits per communication operation of an iteration, from a delay plan file."""
+    try:
+        plan = json.loads(Path(str(path)).read_text())
+        return [float(x) for x in plan["delays_s"][str(rank)]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"emulation.delay_plan={path}: no waits for virtual rank {rank} ({err}); write "
+                          "the plan with `prism-megatron emulate --clock realtime`") from None
 
 
 def _cuda_allocated_bytes():

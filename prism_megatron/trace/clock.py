@@ -22,6 +22,10 @@ class CpuClock:
     def mark(self) -> float:
         return time.perf_counter()
 
+    def delay(self, seconds: float) -> None:
+        """Hold this stream (the host thread) for `seconds` (realtime emulation's waits)."""
+        time.sleep(seconds)
+
     def stream(self) -> str:
         return "compute"
 
@@ -42,11 +46,29 @@ class CudaClock:
         self._record = torch.cuda.Event.record  # before the recorder's own hook wraps it
         # current_stream() builds a Stream object per call; the recorder asks at every boundary
         self._current = getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._cycles_per_s = None
 
     def mark(self) -> Any:
         event = self._torch.cuda.Event(enable_timing=True)
         self._record(event)
         return event
+
+    def delay(self, seconds: float) -> None:
+        """Hold the current stream for `seconds` with a spinning kernel (torch.cuda._sleep), as a
+        collective waiting for its peers holds it; the host is not blocked."""
+        if self._cycles_per_s is None:
+            self._cycles_per_s = self._measure_sleep_rate()
+        self._torch.cuda._sleep(max(1, int(seconds * self._cycles_per_s)))
+
+    def _measure_sleep_rate(self) -> float:
+        cuda = self._torch.cuda
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        cycles = 20_000_000
+        self._record(start)
+        cuda._sleep(cycles)
+        self._record(end)
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) * 1e-3)
 
     def stream(self) -> str:
         if self._current is None:

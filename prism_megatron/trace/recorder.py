@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -82,6 +82,8 @@ class Recorder:
         self.blocking = (clock.kind == "cpu") if blocking_collectives is None else blocking_collectives
         self._allocated = allocated_bytes
         self._fine_memory = memory_at_module_boundaries
+        self._delays: Optional[Sequence[float]] = None
+        self._comm_ordinal = 0
         self._lock = threading.RLock()
         now = clock.mark()
         self.setup = _Iteration(origin=now)
@@ -137,6 +139,13 @@ class Recorder:
             self._cur = _Iteration(origin=now)
             self.iterations.append(self._cur)
             self._pending = {}
+            self._comm_ordinal = 0
+
+    def inject_delays(self, delays: Sequence[float]) -> None:
+        """Realtime emulation: hold the stream `delays[k]` seconds inside the k-th communication
+        operation of every iteration (the wait for ghost peers and the modelled transfer that the
+        replay computed), so the run has the production duty cycle."""
+        self._delays = list(delays)
 
     def origin_s(self, iteration: int = -1) -> Optional[float]:
         """The host clock (perf_counter, one clock for every process of a machine) at the start of
@@ -179,6 +188,11 @@ class Recorder:
             node = it.nodes[-1]
             if node.kind != NodeKind.COMM:
                 return
+            if self._delays is not None and it is not self.setup:
+                k, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
+                if k < len(self._delays) and self._delays[k] > 0:
+                    self.clock.delay(self._delays[k])
+                    now = self.clock.mark()
             node.t1 = now
             self._seg_start = now
             if self.blocking and node.peer_delta is None:  # the call returned when the op was done
