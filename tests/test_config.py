@@ -46,6 +46,16 @@ def test_flags_and_overrides_are_two_spellings_of_one_config():
     assert by_flags.parallel.tp == 8 and by_flags.emulation.sandbox_ranks == [4711]
 
 
+def test_sandbox_ranks_flag_takes_stage_role_names():
+    base = ["--prism-virtual-world-size", "8192", "--tensor-model-parallel-size", "8",
+            "--pipeline-model-parallel-size", "16", "--num-layers", "16", "--num-attention-heads", "8",
+            "--global-batch-size", "128", "--micro-batch-size", "1"]
+    cfg = config_from_args(_parse([*base, "--prism-sandbox-ranks", "4711", "last-stage", "first-stage"]))
+    assert cfg.emulation.sandbox_ranks == [4711, 7680, 0]  # stage 15 starts at rank 15 * 512
+    with pytest.raises(ConfigError, match="expected a virtual rank or one of first-stage, last-stage"):
+        config_from_args(_parse([*base, "--prism-sandbox-ranks", "hottest-expert"]))
+
+
 def test_presets_yaml_and_overrides_merge_in_order(tmp_path):
     cfg = load_config(["model=tiny_moe", "model.num_layers=8"])
     assert cfg.model.num_experts == 8 and cfg.model.num_layers == 8

@@ -18,6 +18,7 @@ from typing import Optional
 
 from prism_megatron.config.loader import load_config
 from prism_megatron.config.schema import (
+    ConfigError,
     EmulationConfig,
     ModelConfig,
     ParallelConfig,
@@ -96,7 +97,8 @@ def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f, doc = _field(f"emulation.{name}")
         flag = "--prism-" + name.replace("_", "-")
         if name == "sandbox_ranks":
-            group.add_argument(flag, type=int, nargs="+", default=None, help=doc)
+            group.add_argument(flag, nargs="+", default=None, metavar="RANK",
+                               help=doc + " Ranks or role names: first-stage, last-stage.")
         else:
             group.add_argument(flag, type=str if name in _STR_FLAGS else int, default=None, help=doc)
     for name, kind in TRACE_FLAGS.items():
@@ -131,8 +133,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def config_from_args(args: argparse.Namespace, config_file: Optional[str] = None) -> PrismConfig:
     """A validated `PrismConfig` from parsed flags (file < --prism-override < explicit flags)."""
     overrides = list(getattr(args, "prism_override", []) or [])
+    names = []
     for name in PRISM_FLAGS:
         value = getattr(args, f"prism_{name}", None)
+        if name == "sandbox_ranks" and value is not None:
+            value, names = _split_sandbox(value)
         if value is not None:
             rendered = "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else value
             overrides.append(f"emulation.{name}={rendered}")
@@ -150,4 +155,40 @@ def config_from_args(args: argparse.Namespace, config_file: Optional[str] = None
         overrides.append("model.params_dtype=fp16")
     if getattr(args, "device", None):
         overrides.append(f"train.device={args.device}")
-    return load_config(overrides, config_file or getattr(args, "prism_config", None))
+    cfg = load_config(overrides, config_file or getattr(args, "prism_config", None))
+    if names:
+        cfg.emulation.sandbox_ranks = [*cfg.emulation.sandbox_ranks, *_resolve_roles(cfg, names)]
+        ranks = ",".join(map(str, cfg.emulation.sandbox_ranks))
+        cfg = load_config([*overrides, f"emulation.sandbox_ranks=[{ranks}]"],
+                          config_file or getattr(args, "prism_config", None))
+    return cfg
+
+
+ROLE_NAMES = ("first-stage", "last-stage")
+
+
+def _split_sandbox(values: list[str]) -> tuple[list[int], list[str]]:
+    """`--prism-sandbox-ranks 0 last-stage` -> ([0], ["last-stage"]); anything else: a ConfigError."""
+    ranks, names = [], []
+    for v in values:
+        if str(v).lstrip("-").isdigit():
+            ranks.append(int(v))
+        elif v in ROLE_NAMES:
+            names.append(v)
+        else:
+            raise ConfigError(f"--prism-sandbox-ranks {v!r}: expected a virtual rank or one of "
+                              f"{', '.join(ROLE_NAMES)} (other roles need a graph: `prism-megatron emulate "
+                              "--sandbox`)")
+    return ranks, names
+
+
+def _resolve_roles(cfg: PrismConfig, names: list[str]) -> list[int]:
+    from prism_megatron.emulate.sandbox import stage_rank
+    from prism_megatron.world import VirtualWorld
+
+    p, e = cfg.parallel, cfg.emulation
+    if e.virtual_world_size is None:
+        raise ConfigError("--prism-sandbox-ranks with role names needs --prism-virtual-world-size")
+    world = VirtualWorld(world_size=e.virtual_world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
+                         vpp=p.vpp, order=p.order, gpus_per_node=e.gpus_per_node)
+    return [stage_rank(world, 0 if n == "first-stage" else world.pp - 1) for n in names]

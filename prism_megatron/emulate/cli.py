@@ -38,9 +38,14 @@ def _cluster(overrides: list[str]):
 
 
 def _specs(text: Optional[str], default: list) -> list[str]:
-    if text:
-        return [s.strip() for s in text.split(",") if s.strip()]
-    return [str(r) for r in default] or ["first-stage"]
+    """Sandbox specs from --sandbox (checked for form now, resolved against the graph later)."""
+    from prism_megatron.emulate.sandbox import ROLE_NAMES
+
+    specs = [s.strip() for s in text.split(",") if s.strip()] if text else [str(r) for r in default]
+    bad = [s for s in specs if not s.isdigit() and s not in ROLE_NAMES]
+    if bad:
+        raise ConfigError(f"--sandbox {bad[0]!r}: expected a virtual rank or one of {', '.join(ROLE_NAMES)}")
+    return specs or ["first-stage"]
 
 
 def emulate_command(args) -> int:
@@ -64,7 +69,9 @@ def run_command(args) -> int:
     sim = [o for o in args.overrides if o.startswith(SIM_PREFIXES)]
     job = [o for o in args.overrides if not o.startswith(SIM_PREFIXES)]
     cluster, calibration = _cluster(sim)
-    cfg = load_config(job, _config_file(args.config))
+    # the config file's sandbox ranks belong to its own world size; the sandboxes come from --sandbox
+    # or an emulation.sandbox_ranks override (default: the first stage)
+    cfg = load_config(["emulation.sandbox_ranks=[]", *job], _config_file(args.config))
     specs = _specs(args.sandbox, list(cfg.emulation.sandbox_ranks))
     cfg.emulation.sandbox_ranks = []  # the capture chooses its own ranks
     if args.workers is not None and args.workers < 1:

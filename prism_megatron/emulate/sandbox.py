@@ -7,6 +7,9 @@ Sandbox specs are virtual ranks or role names:
 - `slowest`: the rank of the class with the longest simulated iteration;
 - an integer rank, `0 .. N-1`.
 
+`--prism-sandbox-ranks` of a training run takes the names that need no graph (first-stage,
+last-stage; config/flags.py).
+
 Direct peers are the ghosts a sandbox exchanges data with under the algorithm the cost model uses:
 its ring neighbours in every collective group (previous and next member), its pipeline neighbours,
 and every member of an all-to-all (expert) group. Their number depends on the parallel sizes, not
@@ -42,9 +45,9 @@ def resolve_sandbox(specs: Iterable[str], graph: ExecutionGraph,
                 raise ConfigError(f"sandbox rank {rank} is outside the virtual world of {world.world_size}; "
                                   f"choose 0..{world.world_size - 1} or one of {', '.join(ROLE_NAMES)}")
         elif spec == "first-stage":
-            rank = _stage_rank(world, 0)
+            rank = stage_rank(world, 0)
         elif spec == "last-stage":
-            rank = _stage_rank(world, world.pp - 1)
+            rank = stage_rank(world, world.pp - 1)
         elif spec == "hottest-expert":
             rank = _hottest_expert(graph)
         elif spec == "slowest":
@@ -60,7 +63,8 @@ def resolve_sandbox(specs: Iterable[str], graph: ExecutionGraph,
     return out
 
 
-def _stage_rank(world: VirtualWorld, stage: int) -> int:
+def stage_rank(world: VirtualWorld, stage: int) -> int:
+    """The lowest virtual rank of pipeline stage `stage`."""
     for rank in world.group(0, "pp") if world.pp > 1 else (0,):
         if world.coords(rank)["pp"] == stage:
             return int(rank)

@@ -1,0 +1,50 @@
+"""`prism-megatron run`: capture (cached), then emulate, on CPU; and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+JOB = ["emulation.virtual_world_size=4", "parallel.tp=1", "parallel.pp=2", "model.num_layers=2",
+       "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
+       "train.global_batch_size=8", "train.micro_batch_size=2", "train.iters=2", "train.device=cpu",
+       "cluster=cpu_host"]
+
+
+def _run(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "prism_megatron.cli", "run", *args], capture_output=True,
+                          text=True, env=ENV, timeout=timeout, cwd=REPO)
+
+
+def test_run_captures_once_then_emulates_the_sandbox(tmp_path):
+    first = _run(*JOB, "--out", str(tmp_path / "r"), "--sandbox", "last-stage", "--json",
+                 str(tmp_path / "a.json"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = json.loads((tmp_path / "a.json").read_text())
+    assert out["ranks"] == 4 and out["physical_fraction"] == 0.25 and out["sandbox_count"] == 1
+    (row,) = out["sandbox"]
+    assert row["virtual_rank"] == 2  # stage 1 of DP2 PP2 starts at rank 2
+    assert row["peak_allocated_bytes"] > 0 and 0 < row["iteration_time_s"] <= out["iteration_time_s"]
+    assert Path(out["graph_path"]).is_file() and (tmp_path / "r" / "run.json").is_file()
+    assert "iteration" in first.stdout and "tokens/s/GPU" in first.stdout
+    again = _run(*JOB, "--out", str(tmp_path / "r"), "--sandbox", "first-stage")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(0 slices run" in again.stdout  # the cached capture is reused
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sandbox", "middle"], "expected a virtual rank or one of"),
+    (["emulation.clock=fast"], "expected one of virtual, realtime"),
+    (["cluster=nope"], "not found"),
+])
+def test_run_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = _run(*JOB, "--out", str(tmp_path / "r"), *args, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1
