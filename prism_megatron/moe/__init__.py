@@ -1,0 +1,1 @@
+"""MoE routing: load-imbalance models (imbalance.py)."""

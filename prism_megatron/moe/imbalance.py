@@ -1,0 +1,205 @@
+"""MoE load-imbalance models: how many token assignments each expert gets (pure numpy, seeded).
+
+A model decides, for one MoE layer, microbatch, iteration and *source* rank (the rank whose tokens
+are routed), how the T x k assignments (T tokens, top-k) spread over the E experts. Every rank of
+the job evaluates the same function with the same arguments, so a sandbox, its ghosts and every
+capture slice agree on the routing (what makes MoE slices of one job consistent, and what lets a
+ghost send the sandbox exactly the tokens the model implies).
+
+Models (spec strings, `moe.imbalance`):
+
+- `none`: the model's own router decides (no override);
+- `uniform`: every assignment picks an expert uniformly at random (seeded multinomial);
+- `force-balanced`: exactly T*k/E per expert (remainder round-robin), as NVIDIA's public MoE
+  benchmarks run with megatron's `moe_router_force_load_balancing`;
+- `zipf(s)`: expert of popularity rank r gets a share proportional to 1/r^s; which expert has which
+  rank is a seeded permutation per layer;
+- `dirichlet(alpha)`: shares drawn from Dirichlet(alpha, ..., alpha) per (layer, source rank);
+- `hot-experts(h, p)`: h experts (seeded per layer) share the fraction p of assignments, the others
+  the rest;
+
+and `moe.drift_per_iteration` (>= 0) rotates the expert permutation by that many places per
+iteration (a hot set that wanders, as routers do during training).
+
+Shares become integer counts by largest-remainder apportionment, capped at T per expert (a token's k
+experts are distinct); what a cap cuts off goes to the others in proportion (water-filling). So the
+counts sum to T*k exactly and are feasible for a routing map (`routing_map`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("none", "uniform", "force-balanced", "zipf", "dirichlet", "hot-experts")
+_SPEC = re.compile(r"^\s*([a-z-]+)\s*(?:\(\s*([^)]*)\))?\s*$")
+_ARITY = {"none": 0, "uniform": 0, "force-balanced": 0, "zipf": 1, "dirichlet": 1, "hot-experts": 2}
+
+
+class ImbalanceError(ValueError):
+    """A spec that names no model or gives it bad parameters."""
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """A parsed imbalance model (see the module docstring)."""
+
+    kind: str = "none"
+    params: tuple[float, ...] = ()
+    seed: int = 1234
+    drift_per_iteration: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str, seed: int = 1234, drift_per_iteration: float = 0.0) -> Imbalance:
+        m = _SPEC.match(spec or "")
+        kind = m.group(1) if m else None
+        if kind not in _ARITY:
+            raise ImbalanceError(f"moe.imbalance={spec!r}: expected one of none, uniform, force-balanced, "
+                                 "zipf(s), dirichlet(alpha), hot-experts(h, p)")
+        try:
+            params = tuple(float(x) for x in m.group(2).split(",")) if m.group(2) else ()
+        except ValueError:
+            params = None
+        if params is None or len(params) != _ARITY[kind]:
+            raise ImbalanceError(f"moe.imbalance={spec!r}: {kind} takes {_ARITY[kind]} number(s), e.g. "
+                                 f"{_example(kind)}")
+        if kind in ("zipf", "dirichlet") and params[0] <= 0:
+            raise ImbalanceError(f"moe.imbalance={spec!r}: the parameter must be > 0")
+        bad_hot = kind == "hot-experts" and (params[0] < 1 or params[0] != int(params[0])
+                                              or not 0 <= params[1] <= 1)
+        if bad_hot:
+            raise ImbalanceError(f"moe.imbalance={spec!r}: expected hot-experts(h, p) with an integer h >= 1 "
+                                 "and 0 <= p <= 1, e.g. hot-experts(2, 0.5)")
+        if drift_per_iteration < 0:
+            raise ImbalanceError(f"moe.drift_per_iteration={drift_per_iteration}: expected >= 0")
+        return cls(kind=kind, params=params, seed=int(seed), drift_per_iteration=float(drift_per_iteration))
+
+    @property
+    def overrides_router(self) -> bool:
+        return self.kind != "none"
+
+    def counts(self, *, experts: int, tokens: int, topk: int, layer: int, microbatch: int = 0,
+               iteration: int = 0, source: int = 0) -> np.ndarray:
+        """Assignments per expert (int64, length `experts`, summing to tokens * topk, each <= tokens)
+        for `tokens` tokens of rank `source` in MoE layer `layer`."""
+        if not 1 <= topk <= experts:
+            raise ImbalanceError(f"top-{topk} routing over {experts} experts is impossible")
+        total = tokens * topk
+        if self.kind == "none":
+            raise ImbalanceError("moe.imbalance=none leaves routing to the model's router: no counts")
+        if self.kind == "force-balanced":
+            base, extra = divmod(total, experts)
+            out = np.full(experts, base, dtype=np.int64)
+            start = (layer + microbatch) % experts
+            out[(start + np.arange(extra)) % experts] += 1
+            return out
+        if self.kind == "uniform":
+            rng = self._rng("uniform", layer, microbatch, iteration, source)
+            return _capped_multinomial(rng, total, np.full(experts, 1.0 / experts), tokens)
+        shares = self.shares(experts, layer=layer, iteration=iteration, source=source)
+        return apportion(shares, total, cap=tokens)
+
+    def shares(self, experts: int, *, layer: int, iteration: int = 0, source: int = 0) -> np.ndarray:
+        """The expected share of each expert (sums to 1) for the share-based models."""
+        if self.kind == "zipf":
+            by_rank = 1.0 / np.arange(1, experts + 1) ** self.params[0]
+            shares = np.empty(experts)
+            shares[self._permutation(experts, layer, iteration)] = by_rank / by_rank.sum()
+            return shares
+        if self.kind == "dirichlet":
+            rng = self._rng("dirichlet", layer, source)
+            return rng.dirichlet(np.full(experts, self.params[0]))
+        if self.kind == "hot-experts":
+            hot, p = int(self.params[0]), self.params[1]
+            hot = min(hot, experts)
+            shares = np.full(experts, (1 - p) / (experts - hot) if experts > hot else 0.0)
+            shares[self._permutation(experts, layer, iteration)[:hot]] = p / hot if experts > hot else 1 / hot
+            return shares / shares.sum()
+        raise ImbalanceError(f"{self.kind} has no fixed shares")
+
+    def _permutation(self, experts: int, layer: int, iteration: int) -> np.ndarray:
+        """Experts in order of popularity for this layer, rotated by the drift."""
+        order = self._rng("order", layer).permutation(experts)
+        return np.roll(order, int(iteration * self.drift_per_iteration))
+
+    def _rng(self, *key) -> np.random.Generator:
+        digest = hashlib.sha256(repr((self.seed, self.kind, self.params, key)).encode()).digest()
+        return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def apportion(shares: np.ndarray, total: int, cap: int) -> np.ndarray:
+    """Integers summing to `total`, each <= `cap`, proportional to `shares` (largest remainder; what a
+    cap cuts off is spread over the others in proportion). Needs total <= cap * len(shares)."""
+    shares = np.asarray(shares, dtype=np.float64)
+    n = len(shares)
+    if total > cap * n:
+        raise ImbalanceError(f"{total} assignments cannot fit {n} experts of at most {cap} each")
+    out = np.zeros(n, dtype=np.int64)
+    free = np.ones(n, dtype=bool)
+    left = total
+    while left > 0:
+        w = np.where(free, shares, 0.0)
+        if w.sum() <= 0:
+            w = free.astype(np.float64)
+        ideal = w / w.sum() * left
+        take = np.minimum(np.floor(ideal).astype(np.int64), cap - out)
+        short = left - int(take.sum())
+        if short > 0:  # largest remainders first, among experts with room
+            room = (out + take) < cap
+            order = np.lexsort((np.arange(n), -(ideal - np.floor(ideal))))
+            for i in order:
+                if short == 0:
+                    break
+                if room[i] and free[i]:
+                    take[i] += 1
+                    short -= 1
+        out += take
+        left = total - int(out.sum())
+        free &= out < cap
+    return out
+
+
+def _capped_multinomial(rng: np.random.Generator, total: int, p: np.ndarray, cap: int) -> np.ndarray:
+    counts = rng.multinomial(total, p).astype(np.int64)
+    extra = int(np.maximum(counts - cap, 0).sum())
+    if extra:  # a token's experts are distinct: move the excess to experts with room
+        counts = np.minimum(counts, cap)
+        counts += _fill(cap - counts, extra)
+    return counts
+
+
+def _fill(room: np.ndarray, extra: int) -> np.ndarray:
+    add = np.zeros_like(room)
+    for i in np.argsort(-room, kind="stable"):
+        if extra == 0:
+            break
+        step = min(int(room[i]), extra)
+        add[i], extra = step, extra - step
+    return add
+
+
+def routing_map(counts: np.ndarray, tokens: int, topk: int) -> np.ndarray:
+    """A bool [tokens, experts] map with `topk` distinct experts per token and column sums `counts`
+    (each token takes the experts with the most assignments still to place: always feasible when
+    counts sum to tokens * topk and none exceeds tokens)."""
+    counts = np.asarray(counts, dtype=np.int64).copy()
+    if counts.sum() != tokens * topk or (counts > tokens).any() or (counts < 0).any():
+        raise ImbalanceError(f"counts {counts.tolist()} do not fit {tokens} tokens x top-{topk}")
+    out = np.zeros((tokens, len(counts)), dtype=bool)
+    for t in range(tokens):
+        remaining_tokens = tokens - t
+        # experts that need every remaining token must take this one (keeps the rest feasible)
+        chosen = np.argsort(-counts, kind="stable")[:topk]
+        out[t, chosen] = True
+        counts[chosen] -= 1
+        if (counts > remaining_tokens - 1).any():
+            raise ImbalanceError("routing map construction failed (infeasible counts)")
+    return out
+
+
+def _example(kind: str) -> str:
+    return {"zipf": "zipf(1.2)", "dirichlet": "dirichlet(0.5)", "hot-experts": "hot-experts(2, 0.5)"}.get(
+        kind, kind)
