@@ -21,6 +21,7 @@ from prism_megatron.config.schema import (
     ConfigError,
     EmulationConfig,
     ModelConfig,
+    MoeConfig,
     ParallelConfig,
     PrismConfig,
     TraceConfig,
@@ -33,6 +34,8 @@ PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_see
 _STR_FLAGS = ("ghost_policy", "clock", "delay_plan")
 # --prism-trace-<name> -> trace.<field>
 TRACE_FLAGS = {"path": str, "granularity": str, "iteration": int}
+# --prism-moe-<name> -> moe.<field>
+MOE_FLAGS = {"imbalance": str, "drift_per_iteration": float, "seed": int}
 
 # Megatron-LM flag -> config key. Booleans are store_true flags.
 MEGATRON_FLAGS: dict[str, str] = {
@@ -61,7 +64,7 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--overlap-grad-reduce": "train.overlap_grad_reduce",
 }
 _SECTIONS = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
-             "train": TrainConfig, "trace": TraceConfig}
+             "train": TrainConfig, "trace": TraceConfig, "moe": MoeConfig}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -104,6 +107,9 @@ def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for name, kind in TRACE_FLAGS.items():
         group.add_argument("--prism-trace-" + name, type=kind, default=None,
                            help=_field(f"trace.{name}")[1])
+    for name, kind in MOE_FLAGS.items():
+        group.add_argument("--prism-moe-" + name.replace("_", "-"), type=kind, default=None,
+                           help=_field(f"moe.{name}")[1])
     group.add_argument("--prism-config", default=None,
                        help="YAML config file (same keys as `prism-megatron config`); flags win over it")
     group.add_argument("--prism-override", nargs="*", default=[], metavar="KEY=VALUE",
@@ -145,6 +151,10 @@ def config_from_args(args: argparse.Namespace, config_file: Optional[str] = None
         value = getattr(args, f"prism_trace_{name}", None)
         if value is not None:
             overrides.append(f"trace.{name}={value}")
+    for name in MOE_FLAGS:
+        value = getattr(args, f"prism_moe_{name}", None)
+        if value is not None:
+            overrides.append(f"moe.{name}={value}")
     for flag, key in MEGATRON_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:

@@ -237,6 +237,36 @@ class TraceConfig:
 
 
 @dataclass(kw_only=True)
+class MoeConfig:
+    """Routing of MoE layers: the model's own router, or a seeded load-imbalance model."""
+
+    imbalance: str = "none"
+    """none (the router decides), uniform, force-balanced, zipf(s), dirichlet(alpha) or
+    hot-experts(h, p): every rank routes its tokens by this model (moe/imbalance.py), so sandboxes,
+    ghosts and capture slices agree."""
+
+    drift_per_iteration: float = 0.0
+    """Experts the popularity order moves by per iteration (a wandering hot set); 0: fixed."""
+
+    seed: int = 1234
+    """Seed of the imbalance model (the same on every rank)."""
+
+    def __post_init__(self) -> None:
+        from prism_megatron.moe.imbalance import Imbalance, ImbalanceError
+
+        try:
+            Imbalance.parse(self.imbalance, self.seed, self.drift_per_iteration)
+        except ImbalanceError as err:
+            raise ConfigError(str(err)) from None
+
+    def model(self):
+        """The parsed imbalance model."""
+        from prism_megatron.moe.imbalance import Imbalance
+
+        return Imbalance.parse(self.imbalance, self.seed, self.drift_per_iteration)
+
+
+@dataclass(kw_only=True)
 class PrismConfig:
     """Everything one run needs; cross-component checks live here."""
 
@@ -245,9 +275,13 @@ class PrismConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     def __post_init__(self) -> None:
         self.check_world(self.emulation.virtual_world_size)
+        if self.moe.imbalance != "none" and not self.model.num_experts:
+            raise ConfigError(f"moe.imbalance={self.moe.imbalance!r} needs an MoE model: set "
+                              "model.num_experts (or model=tiny_moe)")
         e = self.emulation
         if e.clock == "realtime" and (e.delay_plan is None or e.virtual_world_size is None
                                       or self.trace.path is None):

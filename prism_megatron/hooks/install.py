@@ -80,6 +80,8 @@ class Installation:
     optimizers: list = field(default_factory=list, repr=False)
     trace_written: Optional[str] = None
     """Path of the role graph once written."""
+    routers: list = field(default_factory=list)
+    """The ModelledTopk of every MoE router when moe.imbalance routes the tokens."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _handles: list = field(default_factory=list, repr=False)
     _exits: list = field(default_factory=list, repr=False)
@@ -200,6 +202,20 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         inst._exits.append(lambda: mode.__exit__(None, None, None))
 
 
+def _route_by_model(inst: Installation, model: torch.nn.Module) -> None:
+    """Every MoE router of `model` routes by the configured imbalance model (moe/routing.py)."""
+    from megatron.core import parallel_state
+
+    from prism_megatron.moe.routing import attach
+
+    t = inst.cfg.train
+
+    def microbatches() -> int:
+        return t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
+
+    inst.routers += attach(model, inst.cfg.moe.model(), dist.get_rank, microbatches)
+
+
 def _delays_of(path: Optional[str], rank: int) -> list[float]:
     """This rank's waits per communication operation of an iteration, from a delay plan file."""
     try:
@@ -245,6 +261,8 @@ def _install_model_hooks(inst: Installation) -> None:
             inst.tracker.register_model(self)
         if inst.recorder is not None:
             inst._handles += label_modules(inst.recorder, self, chunk)
+        if inst.cfg.moe.imbalance != "none":
+            _route_by_model(inst, self)
 
     inst.patch(ddp_cls, "__init__", init)
     make_optimizer = moptimizer.get_megatron_optimizer
