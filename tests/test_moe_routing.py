@@ -2,11 +2,13 @@
 
 A real 4-process EP4 job (8 experts, top-2) routes by zipf(1.2): every expert's received tokens, as
 the recorder logs them per layer and microbatch, are exactly the model's counts summed over the four
-source ranks.
+source ranks; the hottest rank run alone as a sandbox receives the same tokens and reaches the same
+peak memory, byte for byte.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -28,29 +30,49 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_experts_receive_exactly_the_modelled_tokens(tmp_path):
+JOB = ["--device", "cpu", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--num-layers", "2", "--num-experts", "8", "--moe-router-topk", "2",
+       "--expert-model-parallel-size", "4", "--global-batch-size", "16", "--micro-batch-size", "2",
+       "--train-iters", "3", "--prism-moe-imbalance", "zipf(1.2)"]
+EXAMPLE = str(REPO / "examples" / "pretrain_gpt.py")
+
+
+def _tokens_match_the_model(path: str, rank: int) -> list[int]:
+    model = Imbalance.parse("zipf(1.2)")
+    rg = load_graph(path, check=False).graph_of(rank)
+    assert len(rg.moe["layer"]) == 4  # 2 layers x 2 microbatches of the recorded iteration
+    seen = []
+    for j in range(len(rg.moe["layer"])):
+        layer, mb = int(rg.moe["layer"][j]), int(rg.moe["microbatch"][j])
+        got = rg.moe_tokens[rg.moe_ptr[j]:rg.moe_ptr[j + 1]]
+        # tokens = micro-batch x sequence per source rank; the recorded iteration is the 2nd (index 1)
+        want = sum(model.counts(experts=8, tokens=2 * 32, topk=2, layer=layer, microbatch=mb, iteration=1,
+                                source=s) for s in range(4))[2 * rank:2 * rank + 2]
+        np.testing.assert_array_equal(got, want)
+        seen.extend(got.tolist())
+    return seen
+
+
+def test_experts_receive_exactly_the_modelled_tokens_real_and_as_sandbox(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-         str(_port()), str(REPO / "examples" / "pretrain_gpt.py"), "--device", "cpu", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--num-layers", "2", "--num-experts", "8",
-         "--moe-router-topk", "2", "--expert-model-parallel-size", "4", "--global-batch-size", "16",
-         "--micro-batch-size", "2", "--train-iters", "3", "--prism-moe-imbalance", "zipf(1.2)",
-         "--prism-trace-path", str(tmp_path / "rank{rank}.prism")],
+         str(_port()), EXAMPLE, *JOB, "--prism-trace-path", str(tmp_path / "rank{rank}.prism"),
+         "--prism-summary-json", str(tmp_path / "real{rank}.json")],
         capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    model = Imbalance.parse("zipf(1.2)")
-    tokens = 2 * 32  # micro-batch x sequence per source rank
     skew = []
     for rank in range(4):
-        g = load_graph(str(tmp_path / f"rank{rank}.prism"), check=False)
-        rg = g.graph_of(rank)
-        assert len(rg.moe["layer"]) == 4  # 2 layers x 2 microbatches of the recorded iteration
-        for j in range(len(rg.moe["layer"])):
-            layer, mb = int(rg.moe["layer"][j]), int(rg.moe["microbatch"][j])
-            got = rg.moe_tokens[rg.moe_ptr[j]:rg.moe_ptr[j + 1]]
-            # the recorded iteration is the second of three (index 1)
-            want = sum(model.counts(experts=8, tokens=tokens, topk=2, layer=layer, microbatch=mb,
-                                    iteration=1, source=s) for s in range(4))[2 * rank:2 * rank + 2]
-            np.testing.assert_array_equal(got, want)
-            skew.extend(got.tolist())
+        skew += _tokens_match_the_model(str(tmp_path / f"rank{rank}.prism"), rank)
     assert max(skew) > 3 * min(skew)  # zipf: some experts get several times what others get
+    peaks = {r: json.loads((tmp_path / f"real{r}.json").read_text())["peak_tracked_bytes"] for r in range(4)}
+    hottest = max(peaks, key=peaks.get)
+    # The hottest rank alone, its 3 EP peers ghosts: the ghosts' token counts come from the model
+    # (not from mirroring the sandbox), so it receives and allocates what the real rank did.
+    alone = subprocess.run(
+        [sys.executable, EXAMPLE, *JOB, "--prism-virtual-world-size", "4", "--prism-sandbox-ranks",
+         str(hottest), "--prism-trace-path", str(tmp_path / "sandbox{rank}.prism"),
+         "--prism-summary-json", str(tmp_path / "sandbox.json")],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    _tokens_match_the_model(str(tmp_path / f"sandbox{hottest}.prism"), hottest)
+    assert json.loads((tmp_path / "sandbox.json").read_text())["peak_tracked_bytes"] == peaks[hottest]

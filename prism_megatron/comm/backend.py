@@ -101,10 +101,13 @@ class PrismGroup(dist.ProcessGroup):
     def _gen(self, device: torch.device, seq: int, salt: int = 0):
         return lambda: self.session.policy.generator(device, self.group_id, seq, salt)
 
-    def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int) -> None:
-        """Fill each ghost's slot of a gathered output: policy data, mirror copies its source."""
-        policy = self.session.policy
+    def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int, op: str = "all_gather") -> None:
+        """Fill each ghost's slot of a gathered output: a provider's data (session.ghost_data) if one
+        knows it, else policy data (mirror copies its source)."""
+        policy, providers = self.session.policy, self.session.ghost_data
         for g in self.ghosts:
+            if any(provide(op, self.members, self.members[g], slots[g]) for provide in providers):
+                continue
             policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
 
     def _inner(self, like):
@@ -228,7 +231,7 @@ class PrismGroup(dist.ProcessGroup):
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return done([output])
-        if not self.has_peers and mirror and output.is_contiguous():
+        if not self.has_peers and mirror and output.is_contiguous() and not self.session.ghost_data:
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
             return done([output])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,10 @@ class VirtualSession:
     log: CommLog = field(default_factory=CommLog)
     p2p_backends: dict[str, object] = field(default_factory=dict)
     """Real backends over all physical processes by device type, only for real-to-real send/recv."""
+    ghost_data: list[Callable[[str, tuple[int, ...], int, torch.Tensor], bool]] = field(default_factory=list)
+    """Providers of what a ghost contributes, asked before the ghost policy: called with (op, group
+    members, the ghost's virtual rank, its slot); one that fills the slot returns True. The MoE routing
+    model fills a ghost's token counts this way (moe/routing.py)."""
 
     def __post_init__(self) -> None:
         bad = [v for v in self.physical.sandbox_ranks if not 0 <= v < self.world_size]

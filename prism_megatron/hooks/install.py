@@ -82,6 +82,9 @@ class Installation:
     """Path of the role graph once written."""
     routers: list = field(default_factory=list)
     """The ModelledTopk of every MoE router when moe.imbalance routes the tokens."""
+    routing: Optional[Any] = None
+    """The RoutingState of this process's routers (moe.imbalance), whose provider fills ghosts'
+    token counts."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _handles: list = field(default_factory=list, repr=False)
     _exits: list = field(default_factory=list, repr=False)
@@ -136,6 +139,10 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     if cfg.trace.path and cfg.emulation.virtual_world_size is None:
         cfg.emulation.virtual_world_size = int(os.environ.get("WORLD_SIZE", "1"))
     inst = Installation(cfg=cfg, device=device)
+    if cfg.moe.imbalance != "none":
+        from prism_megatron.moe.routing import RoutingState
+
+        inst.routing = RoutingState(cfg.moe.model())
     if device == "cpu":
         inst.runtime = CpuRuntime().activate()
     activate_local_specs(inst._patches)
@@ -149,6 +156,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
     def on_session(session: VirtualSession) -> None:
         inst.session = session
+        if inst.routing is not None:
+            session.ghost_data.append(inst.routing.provide)
         if inst.recorder is not None:
             connect_comm(inst.recorder, session)
             if cfg.emulation.clock == "realtime":
@@ -213,7 +222,7 @@ def _route_by_model(inst: Installation, model: torch.nn.Module) -> None:
     def microbatches() -> int:
         return t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
 
-    inst.routers += attach(model, inst.cfg.moe.model(), dist.get_rank, microbatches)
+    inst.routers += attach(model, inst.routing, dist.get_rank, microbatches)
 
 
 def _delays_of(path: Optional[str], rank: int) -> list[float]:

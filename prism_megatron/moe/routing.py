@@ -23,12 +23,34 @@ import torch
 from prism_megatron.moe.imbalance import Imbalance, routing_map
 
 
+class RoutingState:
+    """What this process's routers last decided, shared by them; and the ghost-data provider that
+    gives a ghost's token counts in the dispatcher's count exchange.
+
+    megatron's all-to-all dispatcher all-gathers each rank's tokens per expert (a long tensor of
+    `experts` entries) over the TP x EP group right after routing. A ghost's slot there is filled with
+    what the model gives for the ghost as source, so the sandbox's output splits, the tokens its
+    experts receive and the memory they allocate are those of the modelled routing."""
+
+    def __init__(self, model: Imbalance) -> None:
+        self.model = model
+        self.last: Optional[dict] = None  # keyword arguments of the latest counts() call
+
+    def provide(self, op: str, members: tuple[int, ...], ghost: int, slot: torch.Tensor) -> bool:
+        last = self.last
+        if op != "all_gather" or last is None or slot.dtype != torch.long or slot.numel() != last["experts"]:
+            return False
+        counts = self.model.counts(**{**last, "source": ghost})
+        slot.copy_(torch.from_numpy(counts).view(slot.shape))
+        return True
+
+
 class ModelledTopk:
     """A `router_replay` for one TopKRouter: top-k indices from the imbalance model."""
 
-    def __init__(self, model: Imbalance, layer: int, source_rank: Callable[[], int],
+    def __init__(self, state: RoutingState, layer: int, source_rank: Callable[[], int],
                  microbatches: Callable[[], int]) -> None:
-        self.model, self.layer = model, layer
+        self.state, self.model, self.layer = state, state.model, layer
         self._source, self._microbatches = source_rank, microbatches
         self.calls = 0
         self.last_counts: Optional[np.ndarray] = None
@@ -42,15 +64,17 @@ class ModelledTopk:
         m = max(1, self._microbatches())
         iteration, microbatch = divmod(self.calls, m)
         self.calls += 1
-        counts = self.model.counts(experts=experts, tokens=tokens, topk=topk, layer=self.layer,
-                                   microbatch=microbatch, iteration=iteration, source=self._source())
+        key = dict(experts=experts, tokens=tokens, topk=topk, layer=self.layer, microbatch=microbatch,
+                   iteration=iteration)
+        self.state.last = key
+        counts = self.model.counts(**key, source=self._source())
         self.last_counts = counts
         rmap = routing_map(counts, tokens, topk)
         indices = torch.from_numpy(np.nonzero(rmap)[1].reshape(tokens, topk)).to(scores.device)
         return scores.gather(1, indices), indices
 
 
-def attach(model: torch.nn.Module, imbalance: Imbalance, source_rank: Callable[[], int],
+def attach(model: torch.nn.Module, state: RoutingState, source_rank: Callable[[], int],
            microbatches: Callable[[], int]) -> list[ModelledTopk]:
     """Give every TopKRouter of `model` a ModelledTopk; returns them."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -62,6 +86,6 @@ def attach(model: torch.nn.Module, imbalance: Imbalance, source_rank: Callable[[
                     getattr(module.config, "recompute_modules", None) or []):
                 raise ValueError("moe.imbalance with MoE activation recomputation is not supported")
             layer = int(getattr(module, "layer_number", None) or 0)
-            module.router_replay = ModelledTopk(imbalance, layer, source_rank, microbatches)
+            module.router_replay = ModelledTopk(state, layer, source_rank, microbatches)
             out.append(module.router_replay)
     return out
