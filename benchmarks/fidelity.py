@@ -41,7 +41,9 @@ CONFIGS = {
     "pp2_1f1b": (2, ["parallel.pp=2"], ["first-stage"]),
     "dp2_distopt_overlap": (2, ["train.use_distributed_optimizer=true", "train.overlap_grad_reduce=true"],
                             ["0"]),
-    "moe_ep2": (2, ["parallel.ep=2", "model.num_experts=4", "model.moe_router_topk=2"], ["0"]),
+    # routed by a seeded skew (the same on the real ranks and in the emulation): zipf(1.2)
+    "moe_ep2": (2, ["parallel.ep=2", "model.num_experts=4", "model.moe_router_topk=2",
+                    "moe.imbalance=zipf(1.2)"], ["0"]),
 }
 SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 with the GPU shape
     "cpu": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
