@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("simulate", "replay a captured graph over all N ranks on a modelled cluster"),
                        ("calibrate", "time real collectives here and fit the network cost model"),
                        ("emulate", "run sandbox ranks for real, the other ranks replayed from the graph"),
-                       ("run", "capture (if not cached), simulate and emulate a config")):
+                       ("run", "capture (if not cached), simulate and emulate a config"),
+                       ("moe-check", "predict every EP rank's peak memory under an MoE imbalance model")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -93,6 +94,17 @@ def _parser() -> argparse.ArgumentParser:
                              help="virtual: compute the iteration time; realtime: then run the sandboxes "
                                   "again with the computed waits injected and report their wall clock")
             cmd.add_argument("--json", default=None, help="write the summary JSON here too")
+            continue
+        if name == "moe-check":
+            cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                             help="config overrides, e.g. model=tiny_moe moe.imbalance=zipf(1.2); "
+                                  "cluster=NAME")
+            cmd.add_argument("--config", default=None,
+                             help="YAML config file (default: configs/default.yaml)")
+            cmd.add_argument("--out", required=True, help="directory for the calibration sandboxes")
+            cmd.add_argument("--capacity", default=None,
+                             help="device memory per GPU, e.g. 80GiB (default: the cluster's GPU memory)")
+            cmd.add_argument("--json", default=None, help="write the verdict JSON here too")
             continue
         if name == "export":
             cmd.add_argument("graph", help="graph file written by `capture`")
@@ -341,6 +353,12 @@ def _cmd_run(args) -> int:
     return run_command(args)
 
 
+def _cmd_moe_check(args) -> int:
+    from prism_megatron.moe.check import moe_check_command
+
+    return moe_check_command(args)
+
+
 def _critical_summary(path: list) -> dict:
     """Time on the critical path by kind of node, and its length."""
     share: dict[str, float] = {}
@@ -369,7 +387,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
                 "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate,
-                "calibrate": _cmd_calibrate, "emulate": _cmd_emulate, "run": _cmd_run}
+                "calibrate": _cmd_calibrate, "emulate": _cmd_emulate, "run": _cmd_run,
+                "moe-check": _cmd_moe_check}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:

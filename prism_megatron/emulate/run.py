@@ -130,47 +130,55 @@ class Emulation:
             row["realtime_iteration_s"] = wall
             row["realtime_vs_virtual_pct"] = (wall / row["iteration_time_s"] - 1) * 100
 
-    def _run_sandbox(self, text: str, ranks: list[int], out: Path) -> dict[int, RoleGraph]:
+    def _run_sandbox(self, text: str, ranks: list[int], out: Path) -> dict[int, tuple]:
         if not text:
             raise ConfigError(f"{self.graph_path} holds no job config; capture it again with this version")
-        out.mkdir(parents=True, exist_ok=True)
-        config = out / "config.yaml"
-        atomic_write_text(str(config), text)
-        device = self.device or _device_of(text)
-        trace = out / "rank{rank}.prism"
-        for r in ranks:
-            Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
-        job = [str(self.script), "--prism-config", str(config), "--prism-sandbox-ranks",
-               *map(str, ranks), "--prism-trace-path", str(trace), "--device", device,
-               "--prism-summary-json", str(out / "summary{rank}.json")]
-        if len(ranks) > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),
-                   "--master-port", str(_free_port()), *job]
-        else:
-            cmd = [sys.executable, *job]
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-            env.pop(key, None)
-        if device == "cpu":
-            env.setdefault("OMP_NUM_THREADS", "1")
-        log = out / "run.log"
-        with open(log, "w") as handle:
-            try:
-                rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                                    timeout=self.timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        if rc != 0:
-            raise EmulationFailed(f"the sandbox job (ranks {ranks}) failed ({rc}); see {log}")
-        graphs = {}
-        for r in ranks:
-            path = str(trace).replace("{rank}", str(r))
-            try:
-                g = load_graph(path, check=False)
-            except GraphFileError as err:
-                raise EmulationFailed(f"sandbox rank {r} wrote no usable graph ({err}); see {log}") from None
-            graphs[r] = (g.graph_of(r), g.strings)
-        return graphs
+        return run_sandboxes(text, ranks, out, device=self.device or _device_of(text), script=self.script,
+                             timeout_s=self.timeout_s)
+
+
+def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str, script: Path = EXAMPLE,
+                  timeout_s: float = 3600.0) -> dict[int, tuple]:
+    """Run the job of `config_yaml` as sandbox ranks `ranks` (one process each, torchrun when more than
+    one) with the recorder on; returns rank -> (its RoleGraph, the graph's strings). Writes
+    `<out>/rank<R>.prism`, `<out>/summary<R>.json` and `<out>/run.log`."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "config.yaml"
+    atomic_write_text(str(config), config_yaml)
+    trace = out / "rank{rank}.prism"
+    for r in ranks:
+        Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
+    job = [str(script), "--prism-config", str(config), "--prism-sandbox-ranks", *map(str, ranks),
+           "--prism-trace-path", str(trace), "--device", device,
+           "--prism-summary-json", str(out / "summary{rank}.json")]
+    if len(ranks) > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),
+               "--master-port", str(_free_port()), *job]
+    else:
+        cmd = [sys.executable, *job]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    log = out / "run.log"
+    with open(log, "w") as handle:
+        try:
+            rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        raise EmulationFailed(f"the sandbox job (ranks {ranks}) failed ({rc}); see {log}")
+    graphs = {}
+    for r in ranks:
+        path = str(trace).replace("{rank}", str(r))
+        try:
+            g = load_graph(path, check=False)
+        except GraphFileError as err:
+            raise EmulationFailed(f"sandbox rank {r} wrote no usable graph ({err}); see {log}") from None
+        graphs[r] = (g.graph_of(r), g.strings)
+    return graphs
 
 
 def waits(g: RoleGraph, post: np.ndarray, fin: np.ndarray) -> list[float]:

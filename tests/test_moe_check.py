@@ -1,0 +1,61 @@
+"""`prism-megatron moe-check`: per-rank peak memory under an imbalance model, verdict and exit code.
+
+A Mixtral-shaped tiny MoE (8 experts, top-2) at N = 256 with EP8 on CPU. Under zipf(1.2) the hottest
+rank is predicted from sandbox runs and confirmed by its own sandbox measurement; with a capacity below
+its peak the check names it and exits 3; force-balanced routing under the same capacity passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+JOB = ["model=tiny_moe", "emulation.virtual_world_size=256", "parallel.tp=1", "parallel.pp=1",
+       "parallel.ep=8", "model.num_layers=2", "train.global_batch_size=512", "train.micro_batch_size=1",
+       "train.iters=2", "train.device=cpu"]
+
+
+def _check(tmp_path, *args):
+    out = tmp_path / "verdict.json"
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "moe-check", *JOB, *args, "--out",
+                           str(tmp_path / "runs"), "--json", str(out)],
+                          capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_skew_predicts_every_rank_and_a_small_capacity_is_an_oom_with_exit_3(tmp_path):
+    ok, roomy = _check(tmp_path, "moe.imbalance=zipf(1.2)", "--capacity", "1GiB")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    peaks = roomy["per_rank_peak_bytes"]
+    assert len(peaks) == 256 and roomy["oom_ranks"] == [] and roomy["imbalance"] == "zipf(1.2)"
+    hottest = roomy["hottest_rank"]
+    confirmed = roomy["confirmed"]
+    assert confirmed["rank"] == hottest and confirmed["measured_peak_bytes"] == peaks[hottest]
+    assert max(peaks) > min(peaks) * 1.1  # the skew shows in memory
+    # a capacity between the coldest and the hottest rank: the hot ones run out
+    capacity = (max(peaks) + min(peaks)) // 2
+    bad, verdict = _check(tmp_path, "moe.imbalance=zipf(1.2)", "--capacity", str(capacity))
+    assert bad.returncode == 3, bad.stderr[-3000:]
+    assert hottest in verdict["oom_ranks"] and "OUT OF MEMORY" in bad.stdout
+    assert all(peaks[r] > capacity for r in verdict["oom_ranks"])
+    balanced, even = _check(tmp_path, "moe.imbalance=force-balanced", "--capacity", str(capacity))
+    assert balanced.returncode == 0, balanced.stdout + balanced.stderr[-2000:]
+    assert even["oom_ranks"] == [] and len(set(even["per_rank_peak_bytes"])) == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["moe.imbalance=none", "--capacity", "1GiB"], "needs an MoE model and an imbalance model"),
+    (["moe.imbalance=zipf(1.2)", "--capacity", "lots"], "expected a size"),
+    (["moe.imbalance=pareto(2)"], "expected one of none, uniform"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc, _ = _check(tmp_path, *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1
