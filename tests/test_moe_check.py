@@ -39,6 +39,21 @@ def test_skew_predicts_every_rank_and_a_small_capacity_is_an_oom_with_exit_3(tmp
     confirmed = roomy["confirmed"]
     assert confirmed["rank"] == hottest and confirmed["measured_peak_bytes"] == peaks[hottest]
     assert max(peaks) > min(peaks) * 1.1  # the skew shows in memory
+    # two EP ranks the check did not run, loaded unlike every rank it ran: their own sandbox runs
+    stage = roomy["model"]["stages"][0]
+    ran = {int(r) for r in stage["measured"]}
+    config = next((tmp_path / "runs").glob("rank*/config.yaml"))
+    tokens = roomy["per_rank_tokens"]
+    others = [r for r in range(8) if r not in ran and tokens[r] not in {tokens[m] for m in ran}][:2]
+    assert len(others) == 2
+    for rank in others:
+        run = subprocess.run([sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config",
+                              str(config), "--prism-sandbox-ranks", str(rank), "--prism-summary-json",
+                              str(tmp_path / f"other{rank}.json")],
+                             capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+        assert run.returncode == 0, run.stderr[-2000:]
+        measured = json.loads((tmp_path / f"other{rank}.json").read_text())["peak_tracked_bytes"]
+        assert abs(peaks[rank] / measured - 1) <= 0.02, (rank, peaks[rank], measured)
     # a capacity between the coldest and the hottest rank: the hot ones run out
     capacity = (max(peaks) + min(peaks)) // 2
     bad, verdict = _check(tmp_path, "moe.imbalance=zipf(1.2)", "--capacity", str(capacity))

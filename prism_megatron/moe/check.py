@@ -37,6 +37,11 @@ class StageFit:
 
 def rank_loads(cfg: PrismConfig, world: VirtualWorld) -> np.ndarray:
     """Tokens per rank's local experts, per the imbalance model (see the module docstring)."""
+    return rank_tokens(cfg, world).sum(axis=2).max(axis=1)
+
+
+def rank_tokens(cfg: PrismConfig, world: VirtualWorld) -> np.ndarray:
+    """[rank, microbatch, layer of its stage]: tokens its local experts receive, per the model."""
     model: Imbalance = cfg.moe.model()
     m, t, p = cfg.model, cfg.train, cfg.parallel
     experts, topk, ep = int(m.num_experts), int(m.moe_router_topk), p.ep
@@ -54,59 +59,89 @@ def rank_loads(cfg: PrismConfig, world: VirtualWorld) -> np.ndarray:
                                       microbatch=mb, iteration=iteration, source=source)
         return cache[key]
 
-    loads = np.zeros(world.world_size, dtype=np.int64)
+    table = np.zeros((world.world_size, microbatches, per_stage), dtype=np.int64)
     dim = "tp_ep" if p.tp > 1 else "ep"
     for rank in range(world.world_size):
         c = world.coords(rank)
         first = c["pp"] * per_stage + 1
         sources = world.group(rank, dim) if ep > 1 or p.tp > 1 else (rank,)
         lo = c["ep"] * local
-        best = 0
         for mb in range(microbatches):
-            total = 0
-            for layer in range(first, first + per_stage):
-                total += int(sum(counts(layer, mb, s)[lo:lo + local].sum() for s in sources))
-            best = max(best, total)
-        loads[rank] = best
-    return loads
+            for i, layer in enumerate(range(first, first + per_stage)):
+                table[rank, mb, i] = int(sum(counts(layer, mb, s)[lo:lo + local].sum() for s in sources))
+    return table
 
 
 def calibration_ranks(world: VirtualWorld, loads: np.ndarray) -> dict[int, list[int]]:
-    """Per pipeline stage: its most and least loaded ranks (one when all carry the same load)."""
+    """Per pipeline stage: its most loaded, a median and its least loaded rank (fewer when loads
+    repeat). The line goes through the median and the coldest; the hottest is measured, which is
+    the confirmation and, where it lies above the line, the model's stated error there."""
     out = {}
     stages = np.asarray([world.coords(r)["pp"] for r in range(world.world_size)])
     for stage in sorted(set(stages.tolist())):
         ranks = np.nonzero(stages == stage)[0]
-        hot = int(ranks[np.argmax(loads[ranks])])
-        cold = int(ranks[np.argmin(loads[ranks])])
-        out[stage] = [hot] if loads[hot] == loads[cold] else [hot, cold]
+        order = ranks[np.argsort(loads[ranks], kind="stable")]
+        picks = [int(order[-1]), int(order[len(order) // 2]), int(order[0])]
+        chosen, seen = [], set()
+        for r in picks:
+            if int(loads[r]) not in seen:
+                seen.add(int(loads[r]))
+                chosen.append(r)
+        out[stage] = chosen
     return out
 
 
 def fit(stage: int, loads: np.ndarray, measured: dict[int, int]) -> StageFit:
-    ranks = list(measured)
-    if len(ranks) == 1 or loads[ranks[0]] == loads[ranks[-1]]:
+    """The line through the two least loaded measured ranks (the hottest may sit above it: a
+    different moment of the iteration holds its peak; its own measurement is used for it)."""
+    ranks = sorted(measured, key=lambda r: loads[r])
+    if len(ranks) == 1:
         return StageFit(stage, float(measured[ranks[0]]), 0.0, dict(measured))
-    (a, b) = ranks[:2]
-    slope = (measured[a] - measured[b]) / float(loads[a] - loads[b])
+    a, b = ranks[0], ranks[1]
+    slope = (measured[b] - measured[a]) / float(loads[b] - loads[a])
     return StageFit(stage, measured[a] - slope * float(loads[a]), slope, dict(measured))
 
 
-def predict(world: VirtualWorld, loads: np.ndarray, fits: dict[int, StageFit]) -> np.ndarray:
-    stages = [world.coords(r)["pp"] for r in range(world.world_size)]
-    return np.asarray([round(fits[s].base_bytes + fits[s].bytes_per_token * float(loads[r]))
-                       for r, s in enumerate(stages)], dtype=np.int64)
+def predict(world: VirtualWorld, loads: np.ndarray, fits: dict[int, StageFit],
+            tokens: Optional[np.ndarray] = None) -> np.ndarray:
+    """The stage's line for every rank; a measured rank, and every rank of its stage that receives
+    the same tokens in every layer and microbatch (`tokens`: rank_tokens), keeps the measurement."""
+    same: dict[tuple, int] = {}
+    for f in fits.values():
+        for r, v in f.measured.items():
+            same[(f.stage, tokens[r].tobytes() if tokens is not None else r)] = v
+    out = np.zeros(world.world_size, dtype=np.int64)
+    for r in range(world.world_size):
+        stage = world.coords(r)["pp"]
+        f = fits[stage]
+        key = (stage, tokens[r].tobytes() if tokens is not None else r)
+        out[r] = same.get(key, round(f.base_bytes + f.bytes_per_token * float(loads[r])))
+    return out
+
+
+def line_error(loads: np.ndarray, fits: dict[int, StageFit]) -> dict[str, float]:
+    """Per stage: the line against its hottest measured rank (relative, + = the rank is above it)."""
+    out = {}
+    for f in fits.values():
+        if len(f.measured) < 3:
+            continue
+        hot = max(f.measured, key=lambda r: loads[r])
+        line = f.base_bytes + f.bytes_per_token * float(loads[hot])
+        out[str(f.stage)] = f.measured[hot] / line - 1
+    return out
 
 
 def report(world: VirtualWorld, loads: np.ndarray, peaks: np.ndarray, fits: dict[int, StageFit],
-           capacity: int, imbalance: str, confirmed: Optional[dict]) -> dict:
+           capacity: int, imbalance: str, confirmed: dict) -> dict:
     oom = np.nonzero(peaks > capacity)[0].tolist()
-    hottest = int(np.argmax(peaks))
+    hottest = confirmed["rank"]
     return {
         "imbalance": imbalance, "ranks": world.world_size, "capacity_bytes": int(capacity),
         "oom_ranks": oom, "per_rank_peak_bytes": peaks.tolist(), "per_rank_tokens": loads.tolist(),
         "hottest_rank": hottest, "min_margin_bytes": int(capacity - peaks.max()),
-        "model": {"form": "peak = base + bytes_per_token * tokens (per pipeline stage, from sandbox runs)",
+        "model": {"form": "peak = base + bytes_per_token * tokens per pipeline stage, the line through its "
+                          "median and least loaded sandbox runs; measured ranks keep their measurement",
+                  "line_error_at_hottest": line_error(loads, fits),
                   "stages": [{"stage": f.stage, "base_bytes": f.base_bytes,
                               "bytes_per_token": f.bytes_per_token,
                               "measured": {str(k): v for k, v in f.measured.items()}}
@@ -143,7 +178,8 @@ def moe_check_command(args) -> int:
         capacity = load_cluster(cluster_name or "dgx_h100").gpu_memory_bytes
     if not capacity:
         raise ConfigError(f"--capacity {args.capacity!r}: expected a size such as 80GiB or 1048576")
-    loads = rank_loads(cfg, world)
+    tokens = rank_tokens(cfg, world)
+    loads = tokens.sum(axis=2).max(axis=1)
     device = cfg.train.device if cfg.train.device != "auto" else "cpu"
     cfg.trace.path = None
     text = to_yaml(cfg)
@@ -165,9 +201,10 @@ def moe_check_command(args) -> int:
             raise EmulationFailed(f"every calibration sandbox of stage {stage} ran out of memory: "
                                   f"{sorted(oom_found)}; the stage does not fit")
         fits[stage] = fit(stage, loads, measured)
-    peaks = predict(world, loads, fits)
-    hottest = int(np.argmax(peaks))
+    peaks = predict(world, loads, fits, tokens)
     measured_all = {r: v for f in fits.values() for r, v in f.measured.items()}
+    top = [r for r in (*measured_all, *oom_found) if r in measured_all and peaks[r] == peaks.max()]
+    hottest = top[0] if top else int(np.argmax(peaks))  # among equals, the one the sandbox ran
     confirmed = {"rank": hottest, "predicted_peak_bytes": int(peaks[hottest]),
                  "measured_peak_bytes": measured_all.get(hottest),
                  "sandbox_out_of_memory": hottest in oom_found}
@@ -181,9 +218,10 @@ def moe_check_command(args) -> int:
     print(f"{'rank':>7}{'tokens':>10}{'predicted peak MiB':>20}{'margin MiB':>12}")
     for r in order[:8].tolist():
         print(f"{r:>7}{int(loads[r]):>10}{peaks[r] / 2**20:>20.2f}{(capacity - peaks[r]) / 2**20:>12.2f}")
+    seen = confirmed["measured_peak_bytes"]
     print(f"hottest rank {hottest}: predicted {peaks[hottest] / 2**20:.2f} MiB, sandbox measured "
-          + (f"{confirmed['measured_peak_bytes'] / 2**20:.2f} MiB" if confirmed["measured_peak_bytes"]
-             else "out of memory"))
+          + (f"{seen / 2**20:.2f} MiB" if seen else
+             "out of memory" if confirmed["sandbox_out_of_memory"] else "(not run)"))
     if summary["oom_ranks"]:
         shown = ", ".join(map(str, summary["oom_ranks"][:16]))
         print(f"OUT OF MEMORY predicted on {len(summary['oom_ranks'])} rank(s): {shown}"
