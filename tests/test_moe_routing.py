@@ -71,8 +71,21 @@ def test_experts_receive_exactly_the_modelled_tokens_real_and_as_sandbox(tmp_pat
     alone = subprocess.run(
         [sys.executable, EXAMPLE, *JOB, "--prism-virtual-world-size", "4", "--prism-sandbox-ranks",
          str(hottest), "--prism-trace-path", str(tmp_path / "sandbox{rank}.prism"),
-         "--prism-summary-json", str(tmp_path / "sandbox.json")],
+         "--prism-summary-json", str(tmp_path / "sandbox.json"),
+         "--prism-moe-log-path", str(tmp_path / "load{rank}.jsonl")],
         capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
     assert alone.returncode == 0, alone.stderr[-3000:]
     _tokens_match_the_model(str(tmp_path / f"sandbox{hottest}.prism"), hottest)
     assert json.loads((tmp_path / "sandbox.json").read_text())["peak_tracked_bytes"] == peaks[hottest]
+    # the load log: one line per layer and microbatch of every iteration, the model's tokens in each
+    lines = [json.loads(x) for x in (tmp_path / f"load{hottest}.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 * 2 * 2
+    model = Imbalance.parse("zipf(1.2)")
+    for row in lines:
+        want = sum(model.counts(experts=8, tokens=64, topk=2, layer=row["layer"],
+                                microbatch=row["microbatch"], iteration=row["iteration"] - 1, source=s)
+                   for s in range(4))
+        assert row["tokens"] == want[row["experts"]].tolist() and row["dropped"] == 0
+        assert row["memory"]["allocated_bytes"] > 0 and row["memory"]["by_category"]["params"] > 0
+    summary = json.loads((tmp_path / f"load{hottest}.jsonl.summary.json").read_text())
+    assert [x["layer"] for x in summary["layers"]] == [1, 2] and "MoE load, rank" in alone.stderr

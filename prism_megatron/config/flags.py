@@ -35,7 +35,7 @@ _STR_FLAGS = ("ghost_policy", "clock", "delay_plan")
 # --prism-trace-<name> -> trace.<field>
 TRACE_FLAGS = {"path": str, "granularity": str, "iteration": int}
 # --prism-moe-<name> -> moe.<field>
-MOE_FLAGS = {"imbalance": str, "drift_per_iteration": float, "seed": int}
+MOE_FLAGS = {"imbalance": str, "drift_per_iteration": float, "seed": int, "log_path": str}
 
 # Megatron-LM flag -> config key. Booleans are store_true flags.
 MEGATRON_FLAGS: dict[str, str] = {

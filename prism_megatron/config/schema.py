@@ -251,6 +251,10 @@ class MoeConfig:
     seed: int = 1234
     """Seed of the imbalance model (the same on every rank)."""
 
+    log_path: Optional[str] = None
+    """Write this rank's MoE load and memory per layer and microbatch here as JSON Lines ({rank}: the
+    virtual rank), and a per-layer table at the end (moe/loadlog.py). None: no log."""
+
     def __post_init__(self) -> None:
         from prism_megatron.moe.imbalance import Imbalance, ImbalanceError
 

@@ -82,6 +82,8 @@ class Installation:
     """Path of the role graph once written."""
     routers: list = field(default_factory=list)
     """The ModelledTopk of every MoE router when moe.imbalance routes the tokens."""
+    moe_log: Optional[Any] = None
+    """The MoeLoadLog when moe.log_path is set."""
     routing: Optional[Any] = None
     """The RoutingState of this process's routers (moe.imbalance), whose provider fills ghosts'
     token counts."""
@@ -211,18 +213,33 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         inst._exits.append(lambda: mode.__exit__(None, None, None))
 
 
+def _moe_log(inst: Installation):
+    """This rank's MoE load log (moe.log_path), made on the first model chunk, closed at uninstall."""
+    if inst.moe_log is None:
+        from prism_megatron.moe.loadlog import MoeLoadLog, memory_reader
+
+        inst.moe_log = MoeLoadLog(inst.cfg.moe.log_path, dist.get_rank, _microbatches(inst.cfg),
+                                  memory_reader(inst.tracker))
+        inst._exits.append(inst.moe_log.close)
+    return inst.moe_log
+
+
 def _route_by_model(inst: Installation, model: torch.nn.Module) -> None:
     """Every MoE router of `model` routes by the configured imbalance model (moe/routing.py)."""
-    from megatron.core import parallel_state
-
     from prism_megatron.moe.routing import attach
 
-    t = inst.cfg.train
+    inst.routers += attach(model, inst.routing, dist.get_rank, _microbatches(inst.cfg))
 
-    def microbatches() -> int:
+
+def _microbatches(cfg: PrismConfig):
+    """Microbatches per iteration, read when first needed (megatron's DP size is known by then)."""
+    def count() -> int:
+        from megatron.core import parallel_state
+
+        t = cfg.train
         return t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
 
-    inst.routers += attach(model, inst.routing, dist.get_rank, microbatches)
+    return count
 
 
 def _delays_of(path: Optional[str], rank: int) -> list[float]:
@@ -272,6 +289,8 @@ def _install_model_hooks(inst: Installation) -> None:
             inst._handles += label_modules(inst.recorder, self, chunk)
         if inst.cfg.moe.imbalance != "none":
             _route_by_model(inst, self)
+        if inst.cfg.moe.log_path:
+            inst._handles += _moe_log(inst).attach(self)
 
     inst.patch(ddp_cls, "__init__", init)
     make_optimizer = moptimizer.get_megatron_optimizer
