@@ -89,3 +89,27 @@ def test_experts_receive_exactly_the_modelled_tokens_real_and_as_sandbox(tmp_pat
         assert row["memory"]["allocated_bytes"] > 0 and row["memory"]["by_category"]["params"] > 0
     summary = json.loads((tmp_path / f"load{hottest}.jsonl.summary.json").read_text())
     assert [x["layer"] for x in summary["layers"]] == [1, 2] and "MoE load, rank" in alone.stderr
+
+
+def test_replay_of_a_logged_run_gives_a_sandbox_the_real_tokens(tmp_path):
+    """A real EP4 run with the model's own (learned) router logs its routing; a sandbox replaying that
+    log receives, layer by layer and microbatch by microbatch, what the real rank received."""
+    own = [a for a in JOB if a not in ("--prism-moe-imbalance", "zipf(1.2)")]
+    real = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+         str(_port()), EXAMPLE, *own, "--prism-moe-log-path", str(tmp_path / "real{rank}.jsonl")],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert real.returncode == 0, real.stderr[-3000:]
+    replayed = subprocess.run(
+        [sys.executable, EXAMPLE, *own, "--prism-moe-imbalance", f"replay({tmp_path / 'real{rank}.jsonl'})",
+         "--prism-virtual-world-size", "4", "--prism-sandbox-ranks", "2", "--prism-moe-log-path",
+         str(tmp_path / "replay{rank}.jsonl")],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+
+    def tokens(path):
+        return {(r["iteration"], r["microbatch"], r["layer"]): r["tokens"]
+                for r in map(json.loads, path.read_text().splitlines())}
+
+    want, got = tokens(tmp_path / "real2.jsonl"), tokens(tmp_path / "replay2.jsonl")
+    assert len(got) == 12 and got == want

@@ -17,6 +17,8 @@ Models (spec strings, `moe.imbalance`):
 - `dirichlet(alpha)`: shares drawn from Dirichlet(alpha, ..., alpha) per (layer, source rank);
 - `hot-experts(h, p)`: h experts (seeded per layer) share the fraction p of assignments, the others
   the rest;
+- `replay(PATH)`: the routing a run logged (`moe.log_path` of every rank, PATH with `{rank}`): each
+  source rank's assignments per expert, layer and microbatch; iterations past the logged ones wrap;
 
 and `moe.drift_per_iteration` (>= 0) rotates the expert permutation by that many places per
 iteration (a hot set that wanders, as routers do during training).
@@ -30,11 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
-KINDS = ("none", "uniform", "force-balanced", "zipf", "dirichlet", "hot-experts")
+KINDS = ("none", "uniform", "force-balanced", "zipf", "dirichlet", "hot-experts", "replay")
 _SPEC = re.compile(r"^\s*([a-z-]+)\s*(?:\(\s*([^)]*)\))?\s*$")
 _ARITY = {"none": 0, "uniform": 0, "force-balanced": 0, "zipf": 1, "dirichlet": 1, "hot-experts": 2}
 
@@ -52,13 +55,25 @@ class Imbalance:
     seed: int = 1234
     drift_per_iteration: float = 0.0
 
+    trace: Optional[str] = None
+    """replay: the log path ({rank} for the source rank)."""
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
+
     @classmethod
     def parse(cls, spec: str, seed: int = 1234, drift_per_iteration: float = 0.0) -> Imbalance:
+        replay = re.match(r"^\s*replay\s*\((.+)\)\s*$", spec or "")
+        if replay:
+            path = replay.group(1).strip()
+            if "{rank}" not in path:
+                raise ImbalanceError(f"moe.imbalance={spec!r}: replay(PATH) needs {{rank}} in PATH, where "
+                                     "each rank's moe.log_path log is, e.g. replay(/runs/a/load{rank}.jsonl)")
+            return cls(kind="replay", seed=int(seed), drift_per_iteration=float(drift_per_iteration),
+                       trace=path)
         m = _SPEC.match(spec or "")
         kind = m.group(1) if m else None
         if kind not in _ARITY:
             raise ImbalanceError(f"moe.imbalance={spec!r}: expected one of none, uniform, force-balanced, "
-                                 "zipf(s), dirichlet(alpha), hot-experts(h, p)")
+                                 "zipf(s), dirichlet(alpha), hot-experts(h, p), replay(PATH)")
         try:
             params = tuple(float(x) for x in m.group(2).split(",")) if m.group(2) else ()
         except ValueError:
@@ -96,6 +111,8 @@ class Imbalance:
             start = (layer + microbatch) % experts
             out[(start + np.arange(extra)) % experts] += 1
             return out
+        if self.kind == "replay":
+            return self._replayed(experts, tokens, topk, layer, microbatch, iteration, source)
         if self.kind == "uniform":
             rng = self._rng("uniform", layer, microbatch, iteration, source)
             return _capped_multinomial(rng, total, np.full(experts, 1.0 / experts), tokens)
@@ -120,6 +137,26 @@ class Imbalance:
             return shares / shares.sum()
         raise ImbalanceError(f"{self.kind} has no fixed shares")
 
+    def _replayed(self, experts, tokens, topk, layer, microbatch, iteration, source) -> np.ndarray:
+        path = self.trace.replace("{rank}", str(source))
+        if path not in self._tables:
+            self._tables[path] = _load_trace(path, source)
+        table = self._tables[path]
+        iterations = sorted({k[2] for k in table})
+        if not iterations:
+            raise ImbalanceError(f"replay: the log of rank {source} has no routing lines")
+        it = iterations[iteration % len(iterations)]
+        key = (layer, microbatch, it)
+        if key not in table:
+            raise ImbalanceError(f"replay: rank {source}'s log has no layer {layer} microbatch {microbatch}; "
+                                 "replay a run of the same model and batch shape")
+        counts = np.asarray(table[key], dtype=np.int64)
+        if len(counts) != experts or counts.sum() != tokens * topk or counts.max(initial=0) > tokens:
+            raise ImbalanceError(f"replay: rank {source}'s logged routing ({len(counts)} experts, "
+                                 f"{int(counts.sum())} assignments) does not fit {experts} experts x "
+                                 f"{tokens} tokens x top-{topk}; replay a run of the same shape")
+        return counts
+
     def _permutation(self, experts: int, layer: int, iteration: int) -> np.ndarray:
         """Experts in order of popularity for this layer, rotated by the drift."""
         order = self._rng("order", layer).permutation(experts)
@@ -128,6 +165,22 @@ class Imbalance:
     def _rng(self, *key) -> np.random.Generator:
         digest = hashlib.sha256(repr((self.seed, self.kind, self.params, key)).encode()).digest()
         return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def _load_trace(path: str, source: int) -> dict[tuple[int, int, int], list[int]]:
+    """(layer, microbatch, iteration) -> routed per expert, from rank `source`'s log at `path`."""
+    import json
+
+    table = {}
+    try:
+        with open(path) as handle:
+            for line in handle:
+                row = json.loads(line)
+                if row.get("routed_per_expert"):
+                    table[(row["layer"], row["microbatch"], row["iteration"])] = row["routed_per_expert"]
+    except (OSError, ValueError) as err:
+        raise ImbalanceError(f"replay: cannot read rank {source}'s routing log {path} ({err})") from None
+    return table
 
 
 def apportion(shares: np.ndarray, total: int, cap: int) -> np.ndarray:

@@ -5,8 +5,12 @@ kept after capacity dropping), the experts' input (`tokens_per_expert`, what thi
 receive), and the MoE layer's end (memory then). One line per MoE layer and microbatch:
 
     {"iteration", "microbatch", "layer", "experts": [global ids of the local experts],
-     "tokens": [tokens per local expert], "routed": assignments made here, "dropped": assignments the
-     capacity factor dropped here, "memory": {allocated, reserved, peak, and on CPU the categories}}
+     "tokens": [tokens per local expert], "routed": assignments made here, "routed_per_expert": [this
+     rank's assignments to every expert], "dropped": assignments the capacity factor dropped here,
+     "memory": {allocated, reserved, peak, and on CPU the categories}}
+
+The logs of every rank of a run are a routing trace: `moe.imbalance=replay(<log path with {rank}>)`
+routes each source rank's tokens as it routed them then (moe/imbalance.py).
 
 The k-th forward of a layer in the run is microbatch k mod M of iteration k div M (M per iteration).
 Each line is written whole and flushed, so a killed run keeps every line it finished. At the end, a
@@ -60,9 +64,11 @@ class MoeLoadLog:
         def hook(mod, args, output):
             routing_map = output[1] if isinstance(output, tuple) else None
             if isinstance(routing_map, torch.Tensor):
-                routed = int(routing_map.sum())
-                self._pending.setdefault(layer, {})["routed"] = routed
-                self._pending[layer]["dropped"] = max(0, routing_map.shape[0] * topk - routed)
+                per_expert = routing_map.sum(dim=0).tolist()
+                routed = int(sum(per_expert))
+                pending = self._pending.setdefault(layer, {})
+                pending.update(routed=routed, dropped=max(0, routing_map.shape[0] * topk - routed),
+                               routed_per_expert=[int(x) for x in per_expert])
         return hook
 
     def _on_experts(self, layer: int):
@@ -82,6 +88,7 @@ class MoeLoadLog:
             seen = self._pending.pop(layer, {})
             row = {"iteration": iteration + 1, "microbatch": microbatch, "layer": layer, "experts": local,
                    "tokens": seen.get("tokens", []), "routed": seen.get("routed"),
+                   "routed_per_expert": seen.get("routed_per_expert", []),
                    "dropped": seen.get("dropped"), "memory": self._memory()}
             self.rows.append(row)
             self._write(row)
