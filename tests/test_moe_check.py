@@ -39,6 +39,11 @@ def test_skew_predicts_every_rank_and_a_small_capacity_is_an_oom_with_exit_3(tmp
     confirmed = roomy["confirmed"]
     assert confirmed["rank"] == hottest and confirmed["measured_peak_bytes"] == peaks[hottest]
     assert max(peaks) > min(peaks) * 1.1  # the skew shows in memory
+    from prism_megatron.moe.pictures import read_png_size
+
+    assert read_png_size(roomy["pictures"]["tokens"]) == (8 * 12, 2 * 12)  # experts x layers, 12 px cells
+    assert read_png_size(roomy["pictures"]["peak_memory"]) == (8 * 6, 32 * 6)  # 256 ranks in rows of EP8
+    assert len(roomy["tokens_per_expert"]) == 2 and sum(roomy["tokens_per_expert"][0]) == 8 * 32 * 2
     # two EP ranks the check did not run, loaded unlike every rank it ran: their own sandbox runs
     stage = roomy["model"]["stages"][0]
     ran = {int(r) for r in stage["measured"]}

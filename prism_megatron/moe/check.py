@@ -209,6 +209,7 @@ def moe_check_command(args) -> int:
                  "measured_peak_bytes": measured_all.get(hottest),
                  "sandbox_out_of_memory": hottest in oom_found}
     summary = report(world, loads, peaks, fits, capacity, cfg.moe.imbalance, confirmed)
+    summary["pictures"], summary["tokens_per_expert"] = _pictures(out, cfg, world, peaks)
     atomic_write_text(str(out / "moe_check.json"), json.dumps(summary, indent=1))
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
@@ -229,3 +230,26 @@ def moe_check_command(args) -> int:
         return 3
     print(f"no rank runs out of memory (smallest margin {summary['min_margin_bytes'] / 2**20:.2f} MiB)")
     return 0
+
+
+def _pictures(out, cfg: PrismConfig, world: VirtualWorld, peaks: np.ndarray) -> dict:
+    """tokens.png: MoE layers of stage 0 (rows) x experts (columns), tokens each expert receives in
+    the first microbatch from the first EP group; peak_memory.png: the predicted peak of every rank,
+    ranks row-major in rows of the EP size. Viridis: minimum dark, maximum yellow (moe/pictures.py).
+    The same numbers are in the JSON (per_rank_peak_bytes, tokens_per_expert)."""
+    from prism_megatron.moe.pictures import heatmap_png
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    model = cfg.moe.model()
+    tokens = t.micro_batch_size * m.seq_length // (p.tp if p.sequence_parallel else 1) // p.cp
+    sources = world.group(0, "tp_ep" if p.tp > 1 else "ep") if p.ep > 1 or p.tp > 1 else (0,)
+    iteration = max(0, t.iters - 2)
+    shape = dict(experts=int(m.num_experts), tokens=tokens, topk=int(m.moe_router_topk), microbatch=0,
+                 iteration=iteration)
+    grid = np.asarray([sum(model.counts(layer=layer, source=s, **shape) for s in sources)
+                       for layer in range(1, m.num_layers // p.pp + 1)])
+    paths = {"tokens": str(out / "tokens.png"), "peak_memory": str(out / "peak_memory.png")}
+    heatmap_png(paths["tokens"], grid)
+    rows = peaks.reshape(-1, p.ep) if len(peaks) % p.ep == 0 else peaks[None, :]
+    heatmap_png(paths["peak_memory"], rows, cell=6)
+    return paths, grid.tolist()
