@@ -14,6 +14,8 @@
                                                                          sandboxes real, ghosts replayed
     prism-megatron run [--config FILE] [key=value ...] --out DIR [--sandbox ...] [--json PATH]
                                                                          capture (cached) + emulate
+    prism-megatron moe-check [--config FILE] [key=value ...] --out DIR [--capacity 80GiB] [--json PATH]
+                                                                         per-rank MoE peaks; exit 3 on OOM
 
 Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
 (one rank of a TP8 PP16 DP64 job of 8192 ranks). Bad input prints one line and exits with status 2.
