@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from prism_megatron.moe.imbalance import Imbalance
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 JOB = ["model=tiny_moe", "emulation.virtual_world_size=256", "parallel.tp=1", "parallel.pp=1",
@@ -54,11 +56,21 @@ def test_skew_predicts_every_rank_and_a_small_capacity_is_an_oom_with_exit_3(tmp
     for rank in others:
         run = subprocess.run([sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config",
                               str(config), "--prism-sandbox-ranks", str(rank), "--prism-summary-json",
-                              str(tmp_path / f"other{rank}.json")],
+                              str(tmp_path / f"other{rank}.json"), "--prism-moe-log-path",
+                              str(tmp_path / "load{rank}.jsonl")],
                              capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
         assert run.returncode == 0, run.stderr[-2000:]
         measured = json.loads((tmp_path / f"other{rank}.json").read_text())["peak_tracked_bytes"]
         assert abs(peaks[rank] / measured - 1) <= 0.02, (rank, peaks[rank], measured)
+        # the sandbox's experts received exactly the model's tokens (from all 8 EP sources)
+        lines = [json.loads(x) for x in (tmp_path / f"load{rank}.jsonl").read_text().splitlines()]
+        model = Imbalance.parse("zipf(1.2)")
+        for row in lines:
+            want = sum(model.counts(experts=8, tokens=32, topk=2, layer=row["layer"],
+                                    microbatch=row["microbatch"], iteration=row["iteration"] - 1, source=s)
+                       for s in range(8))  # EP group of ranks 0..7 (order tp-cp-ep-dp-pp)
+            assert row["tokens"] == want[row["experts"]].tolist()
+        assert len(lines) == 2 * 2 * 2  # iterations x microbatches x MoE layers
     # a capacity between the coldest and the hottest rank: the hot ones run out
     capacity = (max(peaks) + min(peaks)) // 2
     bad, verdict = _check(tmp_path, "moe.imbalance=zipf(1.2)", "--capacity", str(capacity))
