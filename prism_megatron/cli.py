@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("calibrate", "time real collectives here and fit the network cost model"),
                        ("emulate", "run sandbox ranks for real, the other ranks replayed from the graph"),
                        ("run", "capture (if not cached), simulate and emulate a config"),
-                       ("moe-check", "predict every EP rank's peak memory under an MoE imbalance model")):
+                       ("moe-check", "predict every EP rank's peak memory under an MoE imbalance model"),
+                       ("sweep", "capture and simulate every point of a config-override sweep, resumably")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -96,6 +97,18 @@ def _parser() -> argparse.ArgumentParser:
                              help="virtual: compute the iteration time; realtime: then run the sandboxes "
                                   "again with the computed waits injected and report their wall clock")
             cmd.add_argument("--json", default=None, help="write the summary JSON here too")
+            continue
+        if name == "sweep":
+            cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                             help="Hydra multirun overrides: parallel.tp=2,4,8 parallel.pp=range(1,5) ...")
+            cmd.add_argument("-m", "--multirun", action="store_true", help="accepted for Hydra habit")
+            cmd.add_argument("--config", default=None,
+                             help="YAML config file (default: configs/default.yaml)")
+            cmd.add_argument("--out", required=True, help="directory for results.csv and the points")
+            cmd.add_argument("--cluster", default="dgx_h100", help="cluster the points are simulated on")
+            cmd.add_argument("--jobs", type=int, default=1, help="points at once (local threads)")
+            cmd.add_argument("--workers", type=int, default=None, help="capture slices at once per point")
+            cmd.add_argument("--json", default=None, help="write the points, ranking and best here too")
             continue
         if name == "moe-check":
             cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -355,6 +368,12 @@ def _cmd_run(args) -> int:
     return run_command(args)
 
 
+def _cmd_sweep(args) -> int:
+    from prism_megatron.sweep.cli import sweep_command
+
+    return sweep_command(args)
+
+
 def _cmd_moe_check(args) -> int:
     from prism_megatron.moe.check import moe_check_command
 
@@ -390,7 +409,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
                 "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate,
                 "calibrate": _cmd_calibrate, "emulate": _cmd_emulate, "run": _cmd_run,
-                "moe-check": _cmd_moe_check}
+                "moe-check": _cmd_moe_check, "sweep": _cmd_sweep}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:

@@ -1,4 +1,4 @@
-"""Heatmap PNGs for MoE load and per-rank memory, written without a plotting library.
+"""Heatmap PNGs for MoE load and per-rank memory (and any RGB image), written without a plotting library.
 
 `heatmap_png(path, values)` draws a matrix as cells (rows top to bottom, columns left to right) in
 the viridis colour scale (dark blue = the matrix's minimum, yellow = its maximum), each cell `cell`
@@ -36,7 +36,12 @@ def heatmap_png(path: str, values: np.ndarray, cell: int = 12) -> None:
     v = np.atleast_2d(np.asarray(values))
     if v.size == 0:
         raise ValueError("an empty matrix has no picture")
-    rgb = colours(v).repeat(cell, axis=0).repeat(cell, axis=1)
+    write_rgb_png(path, colours(v).repeat(cell, axis=0).repeat(cell, axis=1))
+
+
+def write_rgb_png(path: str, rgb: np.ndarray) -> None:
+    """Write an [height, width, 3] uint8 image as an RGB PNG at `path`, atomically."""
+    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
     height, width = rgb.shape[:2]
     raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))  # filter 0 per row
 

@@ -1,0 +1,1 @@
+"""Config-override sweeps for tuning (run.py)."""
