@@ -14,7 +14,19 @@ from typing import Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prism_megatron.config.schema import ConfigError, ModelConfig, PrismConfig
+from prism_megatron.config.schema import (
+    ConfigError,
+    EmulationConfig,
+    ModelConfig,
+    MoeConfig,
+    ParallelConfig,
+    PrismConfig,
+    TraceConfig,
+    TrainConfig,
+)
+
+_SECTION_CLASSES = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
+                    "train": TrainConfig, "trace": TraceConfig, "moe": MoeConfig}
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
@@ -57,7 +69,28 @@ def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         first = str(err).strip().splitlines()[0]
-        raise ConfigError(f"invalid config: {first}; see `prism-megatron config --help`") from None
+        raise ConfigError(f"invalid config: {first}{_close_match(first)}; see `prism-megatron config "
+                          "--keys`") from None
+
+
+def _close_match(message: str) -> str:
+    """'; did you mean parallel.tp?' for omegaconf's "Key 'tpp' not in 'ParallelConfig'"."""
+    import difflib
+    import re
+    from dataclasses import fields
+
+    m = re.search(r"Key '([^']+)' not in '([A-Za-z]+)'", message)
+    if not m:
+        return ""
+    key, owner = m.groups()
+    if owner == "PrismConfig":
+        close = difflib.get_close_matches(key, list(_SECTION_CLASSES), n=1)
+        return f"; did you mean {close[0]}?" if close else ""
+    for name, section in _SECTION_CLASSES.items():
+        if section.__name__ == owner:
+            close = difflib.get_close_matches(key, [f.name for f in fields(section)], n=1)
+            return f"; did you mean {name}.{close[0]}?" if close else ""
+    return ""
 
 
 def to_yaml(cfg: PrismConfig) -> str:
