@@ -10,7 +10,8 @@ rerun skips every point already there. At the end: the table ranked by tokens/s/
 last), the best config, and `ranking.png` (one bar per point, tokens/s/GPU, OOM points red).
 
 Local parallel execution runs `--jobs` points at once in threads (each point's capture is its own
-subprocesses). On a SLURM cluster the same overrides go to Hydra's submitit launcher; see the README.
+subprocesses). results.csv has one writer: cluster execution (Hydra's submitit launcher) is not wired
+yet, and jobs sharing an output directory would overwrite each other's rows.
 """
 
 from __future__ import annotations
