@@ -70,7 +70,9 @@ def build_model(cfg, device):
         fp16=dtype == torch.float16, use_cpu_initialization=device == "cpu",
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        add_bias_linear=not m.num_experts, deallocate_pipeline_outputs=True, **moe)
+        add_bias_linear=not m.num_experts and not m.swiglu, deallocate_pipeline_outputs=True,
+        num_query_groups=m.num_query_groups, gated_linear_unit=m.swiglu,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu, **moe)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype != torch.float32,
         overlap_grad_reduce=cfg.train.overlap_grad_reduce,
@@ -83,6 +85,7 @@ def build_model(cfg, device):
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(m.num_experts, moe_grouped_gemm=False),
             vocab_size=padded_vocab, max_sequence_length=m.seq_length,
+            share_embeddings_and_output_weights=m.tie_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), vp_stage=vp)
         if device == "cuda":

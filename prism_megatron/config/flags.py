@@ -55,6 +55,8 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
     "--vocab-size": "model.vocab_size",
     "--seq-length": "model.seq_length",
+    "--num-query-groups": "model.num_query_groups",
+    "--swiglu": "model.swiglu",
     "--micro-batch-size": "train.micro_batch_size",
     "--global-batch-size": "train.global_batch_size",
     "--train-iters": "train.iters",

@@ -32,6 +32,28 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     # Small enough for CPU, big enough that routing is non-trivial: 8 experts, top-2.
     "tiny_moe": ModelConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128),
+    # Published shapes (the papers' and model cards' layer counts, widths, heads, FFN sizes, vocab).
+    "gpt3_175b": ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152,
+                             vocab_size=50257, seq_length=2048, params_dtype="bf16"),
+    "llama3_8b": ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                             ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, swiglu=True,
+                             tie_embeddings=False, params_dtype="bf16"),
+    "llama3_70b": ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                              ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, swiglu=True,
+                              tie_embeddings=False, params_dtype="bf16"),
+    "llama3_405b": ModelConfig(num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+                               ffn_hidden_size=53248, vocab_size=128256, seq_length=8192, swiglu=True,
+                               tie_embeddings=False, params_dtype="bf16"),
+    "mixtral_8x7b": ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                                ffn_hidden_size=14336, num_experts=8, moe_router_topk=2,
+                                moe_ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, swiglu=True,
+                                tie_embeddings=False, params_dtype="bf16"),
+    # DeepSeek-V3's widths and routing (61 layers, 256 routed experts of 2048, top-8), every layer MoE
+    # and plain attention: no MLA, shared expert, dense first layers or multi-token prediction.
+    "deepseek_v3_shaped": ModelConfig(num_layers=61, hidden_size=7168, num_attention_heads=128,
+                                      ffn_hidden_size=18432, num_experts=256, moe_router_topk=8,
+                                      moe_ffn_hidden_size=2048, vocab_size=129280, seq_length=4096,
+                                      swiglu=True, tie_embeddings=False, params_dtype="bf16"),
 }
 """Model presets selectable as `model=<name>` (the Hydra config-group spelling)."""
 

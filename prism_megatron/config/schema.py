@@ -154,12 +154,39 @@ class ModelConfig:
     params_dtype: str = "fp32"
     """Parameter/compute dtype: fp32, bf16 (--bf16) or fp16 (--fp16)."""
 
+    num_query_groups: Optional[int] = None
+    """Key/value head groups of grouped-query attention (--num-query-groups); None: one per head."""
+
+    swiglu: bool = False
+    """Gated linear unit with SiLU in the MLP (--swiglu), as LLaMA and Mixtral use."""
+
+    tie_embeddings: bool = True
+    """Input embedding and output layer share weights (GPT); False: separate weights (LLaMA 3)."""
+
+    def parameters(self) -> int:
+        """Parameter count of the whole model (biases and norms left out: a fraction of a percent)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        kv = (self.num_query_groups or heads) * (h // heads)
+        attention = 2 * h * h + 2 * h * kv
+        ffn = self.ffn_hidden_size or 4 * h
+        per_mlp = (3 if self.swiglu else 2) * h
+        if self.num_experts:
+            mlp = self.num_experts * per_mlp * (self.moe_ffn_hidden_size or ffn) + h * self.num_experts
+        else:
+            mlp = per_mlp * ffn
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attention + mlp) + embeddings
+
     def __post_init__(self) -> None:
         _require_positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
                           num_attention_heads=self.num_attention_heads,
                           ffn_hidden_size=self.ffn_hidden_size, num_experts=self.num_experts,
                           moe_router_topk=self.moe_router_topk, vocab_size=self.vocab_size,
-                          seq_length=self.seq_length, moe_ffn_hidden_size=self.moe_ffn_hidden_size)
+                          seq_length=self.seq_length, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+                          num_query_groups=self.num_query_groups)
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"model.num_attention_heads({self.num_attention_heads}) is not divisible by "
+                              f"model.num_query_groups({self.num_query_groups})")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size({self.hidden_size}) is not divisible by "

@@ -1,8 +1,9 @@
 """Job figures from a replay: tokens/s/GPU, MFU, per-rank rows; and the `simulate` overrides.
 
-Model FLOPs per iteration (dense GPT, no recomputation; Narayanan et al. 2021 counted per token):
-forward per layer 8h^2 (QKV and output projections) + 4sh (scores and context) + 4h*f (MLP, f the FFN
-size, times top-k for MoE); the logits 2hV; training is three times the forward. With f = 4h this is
+Model FLOPs per iteration (no recomputation; Narayanan et al. 2021 counted per token): forward per
+layer 2 x its matmul parameters a token meets (Q and output h^2 each, K and V h*kv each with kv the
+grouped-query width, the MLP 2h*f or 3h*f with SwiGLU, times top-k for MoE) + 4sh (scores and
+context); the logits 2hV; training is three times the forward. For a dense GPT with f = 4h this is
 Megatron's 72*B*s*L*h^2*(1 + s/6h + V/12Lh).
 """
 
@@ -29,10 +30,14 @@ def model_flops(config_yaml: str) -> tuple[float, int]:
     m, t = cfg.get("model") or {}, cfg.get("train") or {}
     h, s, L = m.get("hidden_size", 0), m.get("seq_length", 0), m.get("num_layers", 0)
     V = m.get("vocab_size", 0)
+    heads = m.get("num_attention_heads") or 1
+    kv = (m.get("num_query_groups") or heads) * (h // heads if heads else 0)
     f = m.get("moe_ffn_hidden_size") if m.get("num_experts") else m.get("ffn_hidden_size")
-    f = (f or 4 * h) * (m.get("moe_router_topk", 1) if m.get("num_experts") else 1)
+    topk = m.get("moe_router_topk", 1) if m.get("num_experts") else 1
+    f = (f or m.get("ffn_hidden_size") or 4 * h) * topk
+    mlp = (3 if m.get("swiglu") else 2) * h * f
     tokens = t.get("global_batch_size", 0) * s
-    per_token = 3 * (L * (8 * h * h + 4 * s * h + 4 * h * f) + 2 * h * V)
+    per_token = 3 * (L * (2 * (2 * h * h + 2 * h * kv + mlp) + 4 * s * h) + 2 * h * V)
     return float(per_token) * tokens, int(tokens)
 
 
