@@ -34,7 +34,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny_moe": ModelConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128),
     # Published shapes (the papers' and model cards' layer counts, widths, heads, FFN sizes, vocab).
     "gpt3_175b": ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152,
-                             vocab_size=50257, seq_length=2048, params_dtype="bf16"),
+                             vocab_size=50257, seq_length=2048, params_dtype="bf16", tie_embeddings=True),
     "llama3_8b": ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                              ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, swiglu=True,
                              tie_embeddings=False, params_dtype="bf16"),

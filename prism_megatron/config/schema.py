@@ -160,8 +160,9 @@ class ModelConfig:
     swiglu: bool = False
     """Gated linear unit with SiLU in the MLP (--swiglu), as LLaMA and Mixtral use."""
 
-    tie_embeddings: bool = True
-    """Input embedding and output layer share weights (GPT); False: separate weights (LLaMA 3)."""
+    tie_embeddings: bool = False
+    """Input embedding and output layer share weights (GPT-3); False (megatron-core GPTModel's
+    default): separate weights (LLaMA 3)."""
 
     def parameters(self) -> int:
         """Parameter count of the whole model (biases and norms left out: a fraction of a percent)."""
