@@ -18,13 +18,9 @@ from typing import Optional
 
 from prism_megatron.config.loader import load_config
 from prism_megatron.config.schema import (
+    SECTIONS,
     ConfigError,
-    EmulationConfig,
-    ModelConfig,
-    MoeConfig,
-    ParallelConfig,
     PrismConfig,
-    TraceConfig,
     TrainConfig,
 )
 
@@ -65,8 +61,7 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--use-distributed-optimizer": "train.use_distributed_optimizer",
     "--overlap-grad-reduce": "train.overlap_grad_reduce",
 }
-_SECTIONS = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
-             "train": TrainConfig, "trace": TraceConfig, "moe": MoeConfig}
+_SECTIONS = SECTIONS
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -14,19 +14,7 @@ from typing import Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prism_megatron.config.schema import (
-    ConfigError,
-    EmulationConfig,
-    ModelConfig,
-    MoeConfig,
-    ParallelConfig,
-    PrismConfig,
-    TraceConfig,
-    TrainConfig,
-)
-
-_SECTION_CLASSES = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
-                    "train": TrainConfig, "trace": TraceConfig, "moe": MoeConfig}
+from prism_megatron.config.schema import SECTIONS, ConfigError, ModelConfig, PrismConfig
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
@@ -106,9 +94,9 @@ def _close_match(message: str) -> str:
         return ""
     key, owner = m.groups()
     if owner == "PrismConfig":
-        close = difflib.get_close_matches(key, list(_SECTION_CLASSES), n=1)
+        close = difflib.get_close_matches(key, list(SECTIONS), n=1)
         return f"; did you mean {close[0]}?" if close else ""
-    for name, section in _SECTION_CLASSES.items():
+    for name, section in SECTIONS.items():
         if section.__name__ == owner:
             close = difflib.get_close_matches(key, [f.name for f in fields(section)], n=1)
             return f"; did you mean {name}.{close[0]}?" if close else ""

@@ -359,3 +359,8 @@ class PrismConfig:
                 f"train.global_batch_size({t.global_batch_size}) is not divisible by "
                 f"train.micro_batch_size({t.micro_batch_size}) * dp({world.dp}) = "
                 f"{t.micro_batch_size * world.dp}; raise the global batch size")
+
+
+SECTIONS: dict[str, type] = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
+                             "train": TrainConfig, "trace": TraceConfig, "moe": MoeConfig}
+"""The config's sections by key (one place for the flags, the CLI's key list and error hints)."""

@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from prism_megatron.capture.run import EXAMPLE, REPO
 from prism_megatron.config.schema import ConfigError
 from prism_megatron.emulate.sandbox import direct_peers, resolve_sandbox
 from prism_megatron.graph import load_graph
@@ -38,9 +39,6 @@ from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
 from prism_megatron.util import atomic_write_text
-
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
 
 
 class EmulationFailed(RuntimeError):
