@@ -101,14 +101,23 @@ class PrismGroup(dist.ProcessGroup):
     def _gen(self, device: torch.device, seq: int, salt: int = 0):
         return lambda: self.session.policy.generator(device, self.group_id, seq, salt)
 
-    def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int, op: str = "all_gather") -> None:
-        """Fill each ghost's slot of a gathered output: a provider's data (session.ghost_data) if one
-        knows it, else policy data (mirror copies its source)."""
-        policy, providers = self.session.policy, self.session.ghost_data
+    def _provided(self, slots: Sequence[torch.Tensor], op: str) -> set[int]:
+        """Ghost slots a provider (session.ghost_data) filled; none asked when there are none."""
+        providers = self.session.ghost_data
+        if not providers:
+            return set()
+        return {g for g in self.ghosts
+                if any(provide(op, self.members, self.members[g], slots[g]) for provide in providers)}
+
+    def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int, op: str,
+                     skip: Optional[set[int]] = None) -> None:
+        """Fill each ghost's slot of `op`'s output with policy data (mirror copies its source),
+        except the slots a provider filled (`skip`; by default, asked here)."""
+        policy = self.session.policy
+        skip = self._provided(slots, op) if skip is None else skip
         for g in self.ghosts:
-            if any(provide(op, self.members, self.members[g], slots[g]) for provide in providers):
-                continue
-            policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
+            if g not in skip:
+                policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
 
     def _inner(self, like):
         """The real backend over this group's physical members for `like`'s device (a tensor or a
@@ -212,7 +221,7 @@ class PrismGroup(dist.ProcessGroup):
             elif not in_place:
                 outs[self.rank()].copy_(inp)
             if not (in_place and self.session.policy.effective(inp.dtype) == "mirror"):
-                self._fill_ghosts(outs, seq)  # in place under mirror: ghosts keep their shards
+                self._fill_ghosts(outs, seq, "all_gather")  # in place under mirror: ghosts keep their shards
         return done(output_tensors)
 
     @operation
@@ -231,7 +240,8 @@ class PrismGroup(dist.ProcessGroup):
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return done([output])
-        if not self.has_peers and mirror and output.is_contiguous() and not self.session.ghost_data:
+        provided = self._provided(slots, "all_gather")
+        if not self.has_peers and mirror and output.is_contiguous() and not provided:
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
             return done([output])
@@ -239,7 +249,7 @@ class PrismGroup(dist.ProcessGroup):
             self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
         else:
             slots[self.rank()].copy_(input)
-        self._fill_ghosts(slots, seq)
+        self._fill_ghosts(slots, seq, "all_gather", skip=provided)
         return done([output])
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
@@ -268,7 +278,7 @@ class PrismGroup(dist.ProcessGroup):
         elif outs:
             outs[root].copy_(input_tensors[0])
         if outs:
-            self._fill_ghosts(outs, seq)
+            self._fill_ghosts(outs, seq, "gather")
         return done(output_tensors)
 
     # -- one-to-all ----------------------------------------------------------------------------
@@ -324,7 +334,7 @@ class PrismGroup(dist.ProcessGroup):
         outs = split_rows(output, output_split_sizes, self.n)
         ins = split_rows(input, input_split_sizes, self.n)
         self._alltoall_real(outs, ins)
-        self._fill_ghosts(outs, seq)
+        self._fill_ghosts(outs, seq, "all_to_all")
         return done([output])
 
     @operation
@@ -332,7 +342,7 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("all_to_all", input_tensors)
         outs, ins = list(output_tensors), list(input_tensors)
         self._alltoall_real(outs, ins)
-        self._fill_ghosts(outs, seq)
+        self._fill_ghosts(outs, seq, "all_to_all")
         return done(output_tensors)
 
     def _alltoall_real(self, outs, ins):
