@@ -101,7 +101,7 @@ def real_runs(name: str, config: Path, world: int, device: str, reps: int, warmu
 
 
 def emulated_runs(name: str, config: Path, world: int, sandbox: list[str], device: str, reps: int,
-                  tmp: Path, cluster: str, calibration):
+                  tmp: Path, cluster: str, calibration, realtime: bool = False):
     from prism_megatron.capture.run import Capture
     from prism_megatron.config import load_config
     from prism_megatron.emulate.run import Emulation
@@ -111,9 +111,14 @@ def emulated_runs(name: str, config: Path, world: int, sandbox: list[str], devic
     capture = Capture(cfg, str(tmp / f"{name}-capture"), workers=1, device=device, log=lambda s: None).run()
     runs = []
     for rep in range(reps):
-        emulation = Emulation(capture.graph_path, str(tmp / f"{name}-emu{rep}"), sandbox,
-                              load_cluster(cluster), calibration, device=device)
-        runs.append(emulation.run())
+        out = tmp / f"{name}-emu{rep}"
+        clock = "realtime" if realtime and rep == reps - 1 else "virtual"
+        summary = Emulation(capture.graph_path, str(out), sandbox, load_cluster(cluster), calibration,
+                            device=device, clock=clock).run()
+        rank = summary["sandbox"][0]["virtual_rank"]
+        wall = json.loads((out / "sandbox" / f"summary{rank}.json").read_text())["iteration_times_ms"]
+        summary["sandbox_wall_ms"] = [round(t, 3) for t in wall]  # its own loop, ghosts answering at once
+        runs.append(summary)
     return runs
 
 
@@ -152,6 +157,8 @@ def main() -> int:
     parser.add_argument("--calibration", default=None,
                         help="network calibration (default: on cpu, measured here first with gloo; on cuda, "
                              "benchmarks/results/calibration-h200x2-2026-11-30.json)")
+    parser.add_argument("--realtime", action="store_true",
+                        help="the last emulation of each config also runs with the realtime clock")
     parser.add_argument("--json", default=None)
     parser.add_argument("--list", action="store_true", help="name the configs and exit")
     args = parser.parse_args()
@@ -179,7 +186,7 @@ def main() -> int:
             config, world, sandbox = config_file(name, args.device, args.iters, tmp)
             real, peaks = real_runs(name, config, world, args.device, args.reps, args.warmup, tmp)
             emus = emulated_runs(name, config, world, sandbox, args.device, args.reps, tmp, cluster,
-                                 calibration)
+                                 calibration, args.realtime)
             real_s = statistics.median(real)
             emu_s = statistics.median(e["iteration_time_s"] for e in emus)
             rank = emus[0]["sandbox"][0]["virtual_rank"]
@@ -192,12 +199,19 @@ def main() -> int:
                    "emu_peak_bytes": int(emu_peak), "mem_err_pct": (emu_peak / real_peak - 1) * 100,
                    "materialized_ghosts": emus[0]["materialized_ghosts"], "classes": emus[0]["classes"],
                    "physical_fraction": emus[0]["physical_fraction"],
+                   "sandbox_wall_ms": [e["sandbox_wall_ms"] for e in emus],
+                   "sandbox": [e["sandbox"][0] for e in emus],
                    "config_yaml": yaml.safe_load(config.read_text())}
+            realtime = [e["sandbox"][0] for e in emus if "realtime_iteration_s" in e["sandbox"][0]]
+            if realtime:
+                row["realtime_vs_virtual_pct"] = realtime[0]["realtime_vs_virtual_pct"]
             rows.append(row)
             _write(path, args, cluster, calibration_from, rows)  # after every config: nothing is lost
             print(f"{name:>20}{world:>3}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
                   f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
-                  f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%", flush=True)
+                  f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%"
+                  + (f"  realtime {row['realtime_vs_virtual_pct']:+.2f}% of virtual" if realtime else ""),
+                  flush=True)
     errors = [abs(r["iter_err_pct"]) for r in rows]
     print(f"mean |iteration error| {statistics.mean(errors):.2f}%, max {max(errors):.2f}%; "
           f"max |memory error| {max(abs(r['mem_err_pct']) for r in rows):.4f}%")

@@ -75,10 +75,10 @@ def profile(out: Path, job: list[str]) -> int:
 
         prof = None
 
-        def _cut(self):
+        def _cut(self, *args, **kwargs):
             with torch.profiler.record_function("prism@" + self._labels[-1]):
                 pass
-            return super()._cut()
+            return super()._cut(*args, **kwargs)
 
         def comm_issued(self, work):  # what ran inside the backend call is the operation's
             node = self._cur.nodes[-1]

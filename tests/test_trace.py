@@ -250,3 +250,73 @@ def test_chakra_export_round_trips_through_the_protobuf_schema(tmp_path):
         assert decode(handle.read())[1] == nodes
     with pytest.raises(ValueError, match="truncated"):
         decode(encode([meta, *nodes])[:-3])
+
+
+class StepClock(FakeClock):
+    """Marks advance by `step` seconds, which a test changes between iterations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 1e-3
+
+    def mark(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def _layer_iteration(rec, comm_group="tp0"):
+    """One forward with two module-level ops around a synchronous all-reduce."""
+    rec.begin_iteration()
+    rec.span_begin("forward", 0, 0)
+    rec.enter("decoder.layers.0.self_attention")
+    rec.exit()
+    rec.enter("decoder.layers.0.mlp")
+    rec.wait_end(rec.wait_begin(_comm(rec, group=comm_group)))
+    rec.exit()
+    rec.span_end()
+
+
+def test_two_pass_takes_labels_from_a_labelled_iteration_and_times_from_the_timed_one():
+    clock = StepClock()
+    rec = Recorder(clock, lambda: 5, two_pass=True)
+    modes = []
+    rec.mode_listeners.append(modes.append)
+    for step in (1e-3, 3e-3, 1e-3):  # the timed iteration runs 3x slower per mark
+        clock.step = step
+        _layer_iteration(rec)
+    assert modes == [False, True]  # timed iteration 2 detaches the hooks, labelled 3 attaches them
+    assert [it.labelled for it in rec.iterations] == [True, False, True]
+    timed_nodes = len(rec.iterations[1].nodes)
+    assert timed_nodes < len(rec.iterations[0].nodes)  # no cut at module boundaries
+    assert rec.iterations[1].mem == []                 # and no memory read
+
+    g, names, _ = _built(rec, iteration=1)
+    assert rec.built == {"timing": "two-pass", "timed_iteration": 2, "labelled_iteration": 1}
+    assert "decoder.layers.0.self_attention" in names and "decoder.layers.0.mlp" in names
+    cols = g.columns
+    end = float((cols["start_s"] + cols["duration_s"]).max())
+    # the timed iteration's anchors (iteration, span, comm begin, issued, wait, waited, span end) are
+    # 3 ms apart, and the next iteration's begin comes 1 ms after the span end
+    assert end == pytest.approx(6 * 3e-3 + 1e-3)
+    comm = names.index("all_reduce")
+    assert cols["duration_s"][comm] == pytest.approx(3e-3)
+    attention = names.index("decoder.layers.0.self_attention")
+    # span begin -> comm begin: one timed interval (3 ms) that holds four labelled segments of 1 ms
+    assert cols["duration_s"][attention] == pytest.approx(0.75e-3)
+    assert float(cols["start_s"][comm]) == pytest.approx(2 * 3e-3)  # anchors map one to one
+    assert g.mem_bytes.tolist() and set(g.mem_bytes.tolist()) == {5}
+
+    g_label, names3, _ = _built(rec, iteration=2)  # a labelled iteration is timed by its neighbour
+    assert rec.built["timed_iteration"] == 2
+    assert names3 == names[:-1]  # the run's last iteration has no segment up to a next one
+
+
+def test_two_pass_falls_back_to_one_pass_when_the_programs_differ():
+    rec = Recorder(FakeClock(), lambda: 0, two_pass=True)
+    _layer_iteration(rec, comm_group="tp0")
+    _layer_iteration(rec, comm_group="other")  # not the labelled iteration's program
+    g, names, _ = _built(rec, iteration=0)
+    assert rec.built == {"timing": "single-pass", "timed_iteration": 1, "labelled_iteration": 1}
+    assert "decoder.layers.0.mlp" in names
+    _built(rec, iteration=1)
+    assert rec.built["labelled_iteration"] == 2 and rec.built["timing"] == "single-pass"

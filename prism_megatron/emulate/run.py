@@ -65,6 +65,8 @@ class Emulation:
     """virtual: the iteration time is computed; realtime: then the sandboxes run again with the
     computed waits injected (`<out>/delay_plan.json`), and their measured wall-clock iteration is
     reported beside the virtual figure."""
+    _timed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    """rank -> the iteration (0-based) whose durations its sandbox graph holds (trace/recorder.py)."""
 
     def run(self) -> dict:
         start = time.perf_counter()
@@ -85,8 +87,8 @@ class Emulation:
         figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
                               self.cluster)
         class_times = result.rank_times()
-        overhead = {r: _overhead(out / "sandbox" / f"summary{r}.json", measured[r], result.sim_wall_s)
-                    for r in ranks}
+        overhead = {r: _overhead(out / "sandbox" / f"summary{r}.json", measured[r], result.sim_wall_s,
+                                 self._timed[r]) for r in ranks}
         summary = {
             **figures, "ranks": world.world_size, "sandbox_count": len(ranks),
             "physical_fraction": len(ranks) / world.world_size,
@@ -122,24 +124,28 @@ class Emulation:
         job["emulation"].update(clock="realtime", delay_plan=str(path))
         self._run_sandbox(yaml.safe_dump(job, sort_keys=False), ranks, out / "realtime")
         for row in summary["sandbox"]:
-            run = json.loads((out / "realtime" / f"summary{row['virtual_rank']}.json").read_text())
-            times = run["iteration_times_ms"]
-            wall = (times[-2] if len(times) >= 2 else times[-1]) * 1e-3  # the recorded iteration
+            r = row["virtual_rank"]
+            run = json.loads((out / "realtime" / f"summary{r}.json").read_text())
+            wall = run["iteration_times_ms"][self._timed[r]] * 1e-3  # the iteration the graph timed
             row["realtime_iteration_s"] = wall
             row["realtime_vs_virtual_pct"] = (wall / row["iteration_time_s"] - 1) * 100
 
     def _run_sandbox(self, text: str, ranks: list[int], out: Path) -> dict[int, tuple]:
         if not text:
             raise ConfigError(f"{self.graph_path} holds no job config; capture it again with this version")
-        return run_sandboxes(text, ranks, out, device=self.device or _device_of(text), script=self.script,
-                             timeout_s=self.timeout_s)
+        timed: dict[int, int] = {}
+        graphs = run_sandboxes(text, ranks, out, device=self.device or _device_of(text), script=self.script,
+                               timeout_s=self.timeout_s, timed=timed)
+        self._timed = timed
+        return graphs
 
 
 def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str, script: Path = EXAMPLE,
-                  timeout_s: float = 3600.0) -> dict[int, tuple]:
+                  timeout_s: float = 3600.0, timed: Optional[dict[int, int]] = None) -> dict[int, tuple]:
     """Run the job of `config_yaml` as sandbox ranks `ranks` (one process each, torchrun when more than
     one) with the recorder on; returns rank -> (its RoleGraph, the graph's strings). Writes
-    `<out>/rank<R>.prism`, `<out>/summary<R>.json` and `<out>/run.log`."""
+    `<out>/rank<R>.prism`, `<out>/summary<R>.json` and `<out>/run.log`. `timed` receives rank -> the
+    index (0-based) of the iteration whose durations the graph holds (trace/recorder.py)."""
     out.mkdir(parents=True, exist_ok=True)
     config = out / "config.yaml"
     atomic_write_text(str(config), config_yaml)
@@ -176,6 +182,8 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
         except GraphFileError as err:
             raise EmulationFailed(f"sandbox rank {r} wrote no usable graph ({err}); see {log}") from None
         graphs[r] = (g.graph_of(r), g.strings)
+        if timed is not None:
+            timed[r] = int(g.meta.get("timed_iteration") or g.meta.get("iterations_run", 1) - 1) - 1
     return graphs
 
 
@@ -204,7 +212,7 @@ def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph
     return merged, rank_graphs
 
 
-def _overhead(summary_path: Path, g: RoleGraph, replay_s: float) -> dict:
+def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> dict:
     """The emulator's own host time per iteration, the backend's operations in the recorded
     iteration, against the sandbox's compute in it; the backend's host time per operation (which does
     not depend on the model size); and the replay's time (the oracle, once per emulation)."""
@@ -214,8 +222,7 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float) -> dict:
         return {}
     if not per_iteration:
         return {}
-    # the recorded iteration: the last full one (trace/output.py)
-    backend_s = float(per_iteration[-2] if len(per_iteration) >= 2 else per_iteration[-1])
+    backend_s = float(per_iteration[min(timed, len(per_iteration) - 1)])  # the iteration the graph timed
     compute_s = float(g.columns["duration_s"][g.columns["kind"] == 0].sum())
     ops = int((g.columns["kind"] != 0).sum())
     return {"backend_host_s_per_iteration": backend_s, "comm_ops_per_iteration": ops,

@@ -193,11 +193,13 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
 
 def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
+    two_pass = inst.cfg.trace.timing == "two-pass"
     if recorder is None and inst.device == "cuda":
-        recorder = Recorder(CudaClock(), _cuda_allocated_bytes(), memory_at_module_boundaries=False)
+        recorder = Recorder(CudaClock(), _cuda_allocated_bytes(), memory_at_module_boundaries=False,
+                            two_pass=two_pass)
     elif recorder is None:
         tracker = inst.tracker
-        recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes)
+        recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes, two_pass=two_pass)
     inst.recorder = recorder
     patch_wait(inst._patches, recorder, inst.runtime)
     if inst.device == "cuda" and hasattr(recorder.clock, "name_of"):

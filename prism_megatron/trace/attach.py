@@ -122,31 +122,59 @@ def _module_path(name: str) -> str:
     return name
 
 
-def label_modules(recorder: Recorder, model: torch.nn.Module, chunk: int) -> list[Any]:
-    """Hook the module-level ops of one model chunk; returns the hook handles."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+class ModuleLabels:
+    """The module-level hooks of one model chunk. They are attached while the recorder labels
+    (every iteration, or the labelled ones of two-pass recording) and detached in timed iterations,
+    where even an idle Python hook is host time a launch-bound GPU run pays; `remove` ends them."""
 
-    handles: list[Any] = []
-    prefix = f"c{chunk}/" if chunk else ""
-    parents: dict[int, torch.nn.Module] = {}
-    for _, module in model.named_modules():
-        for child in module.children():
-            parents.setdefault(id(child), module)
-    for name, module in model.named_modules():
-        parent = parents.get(id(module))
-        if parent is None or type(module).__name__ in _SKIP or isinstance(module, TransformerBlock):
-            continue
-        parent_is_model = type(parent).__name__.endswith("Model") and hasattr(parent, "decoder")
-        wanted = (isinstance(module, TransformerLayer) or isinstance(parent, (TransformerLayer, MoELayer))
-                  or parent_is_model or (isinstance(parent, TransformerBlock)
-                                         and not isinstance(module, torch.nn.ModuleList)))
-        if wanted:
-            handles += _hook_module(recorder, module, prefix + _module_path(name))
-        if isinstance(module, MoELayer):
-            handles.append(module.experts.register_forward_pre_hook(_moe_counter(recorder, module)))
-    return handles
+    def __init__(self, recorder: Recorder, model: torch.nn.Module, chunk: int) -> None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron.core.transformer.transformer_block import TransformerBlock
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        self.recorder = recorder
+        self.targets: list[tuple[torch.nn.Module, str]] = []
+        self._handles: list[Any] = []
+        self._always: list[Any] = []
+        prefix = f"c{chunk}/" if chunk else ""
+        parents: dict[int, torch.nn.Module] = {}
+        for _, module in model.named_modules():
+            for child in module.children():
+                parents.setdefault(id(child), module)
+        for name, module in model.named_modules():
+            parent = parents.get(id(module))
+            if parent is None or type(module).__name__ in _SKIP or isinstance(module, TransformerBlock):
+                continue
+            parent_is_model = type(parent).__name__.endswith("Model") and hasattr(parent, "decoder")
+            wanted = (isinstance(module, TransformerLayer) or isinstance(parent, (TransformerLayer, MoELayer))
+                      or parent_is_model or (isinstance(parent, TransformerBlock)
+                                             and not isinstance(module, torch.nn.ModuleList)))
+            if wanted:
+                self.targets.append((module, prefix + _module_path(name)))
+            if isinstance(module, MoELayer):
+                self._always.append(module.experts.register_forward_pre_hook(_moe_counter(recorder, module)))
+        recorder.mode_listeners.append(self.set_active)
+        self.set_active(recorder.labelling)
+
+    def set_active(self, on: bool) -> None:
+        if on and not self._handles:
+            for module, label in self.targets:
+                self._handles += _hook_module(self.recorder, module, label)
+        elif not on:
+            remove_handles(self._handles)
+            self._handles = []
+
+    def remove(self) -> None:
+        self.set_active(False)
+        remove_handles(self._always)
+        self._always = []
+        if self.set_active in self.recorder.mode_listeners:
+            self.recorder.mode_listeners.remove(self.set_active)
+
+
+def label_modules(recorder: Recorder, model: torch.nn.Module, chunk: int) -> list[Any]:
+    """Hook the module-level ops of one model chunk; returns a handle (`.remove()`) for them."""
+    return [ModuleLabels(recorder, model, chunk)]
 
 
 def _hook_module(recorder: Recorder, module: torch.nn.Module, label: str) -> list[Any]:

@@ -81,8 +81,8 @@ def write_role_graph(inst: Any) -> str:
     graph = inst.recorder.build(role, rank, strings, iteration=iteration, **memory_figures(inst))
     meta = {"config": to_yaml(cfg), "captured_rank": rank, "device": inst.device,
             "clock": inst.recorder.clock.kind, "granularity": cfg.trace.granularity,
-            "iterations_run": len(inst.recorder.iterations),
-            "iteration_origin_s": inst.recorder.origin_s(iteration)}
+            "iterations_run": len(inst.recorder.iterations), **inst.recorder.built,
+            "iteration_origin_s": inst.recorder.origin_s(inst.recorder.built["timed_iteration"] - 1)}
     save_graph(ExecutionGraph(world=session.world, roles={role: graph}, strings=strings.strings,
                               meta=meta), path)
     return path

@@ -21,6 +21,18 @@ is not compute either: it belongs to nobody's node and reappears in the replay a
 the compute and communication nodes of a stream never overlap, and their durations add up to the
 device's busy-or-launching time. Times are marks of the device clock (trace/clock.py) resolved at the end.
 
+Two passes (`two_pass=True`): a module boundary costs host time (a hook, a device-clock mark), and
+a launch-bound GPU run pays it as device idle that the clock records as compute (measured: a TP2
+sandbox on an H200 ran 663-679 ms per iteration untraced, 912-993 ms with a mark at each of its
+~4000 module boundaries). So iterations alternate: *labelled* ones (0, 2, ...) cut at every module
+boundary, *timed* ones (1, 3, ...) cut only at the *anchors* the graph's dependencies need (spans,
+iterations, communication issue and return, waits, cross-stream events) and read no memory; the
+listeners in `mode_listeners` detach the module hooks meanwhile. `build` takes every time from a
+timed iteration: anchors map one to one (their sequence is checked to be the same program), and the
+labelled segments between two anchors are scaled into the timed interval between them. Nodes,
+labels, spans, memory samples and MoE tokens come from the labelled neighbour. Without a matching
+neighbour the requested iteration is built as recorded (`built` says which way).
+
 No torch.distributed here: the hooks (trace/attach.py) translate framework events into these calls.
 """
 
@@ -41,8 +53,8 @@ class _Node:
     kind: NodeKind
     name: str
     stream: str
-    t0: Any
-    t1: Any
+    t0: int  # index into the iteration's marks
+    t1: Optional[int]
     deps: list[int]
     op: str = ""
     dim: str = ""
@@ -54,12 +66,22 @@ class _Node:
 
 @dataclass
 class _Iteration:
-    origin: Any
+    labelled: bool
+    marks: list[Any] = field(default_factory=list)        # device-clock marks in program order; [0]: origin
+    anchor: list[bool] = field(default_factory=list)      # per mark: an anchor (see the module docstring)
+    signature: list[str] = field(default_factory=list)    # per anchor: what made it
     nodes: list[_Node] = field(default_factory=list)
     last: dict[str, int] = field(default_factory=dict)  # stream -> its latest node
-    spans: list[tuple] = field(default_factory=list)    # (name, microbatch, chunk, first, last, t0, t1)
+    spans: list[tuple] = field(default_factory=list)    # (name, microbatch, chunk, first, last, m0, m1)
     moe: list[tuple] = field(default_factory=list)      # (layer, microbatch, chunk, tokens)
-    mem: list[tuple[Any, int]] = field(default_factory=list)
+    mem: list[tuple[int, int]] = field(default_factory=list)  # (mark, bytes)
+
+    def add(self, mark: Any, anchor: Optional[str]) -> int:
+        self.marks.append(mark)
+        self.anchor.append(anchor is not None)
+        if anchor is not None:
+            self.signature.append(anchor)
+        return len(self.marks) - 1
 
 
 class RecorderError(RuntimeError):
@@ -71,48 +93,61 @@ class Recorder:
 
     def __init__(self, clock: Any, allocated_bytes: Callable[[], int],
                  blocking_collectives: Optional[bool] = None,
-                 memory_at_module_boundaries: bool = True) -> None:
+                 memory_at_module_boundaries: bool = True, two_pass: bool = False) -> None:
         """`blocking_collectives`: the host thread is held until a collective completes (gloo on
         CPU: the next compute depends on the collective itself); default: when the clock is the
         host's. On GPU a collective only joins the compute stream where it is waited for.
         `memory_at_module_boundaries`: sample `allocated_bytes` at every module boundary too, not
         only at spans, communication and waits (on GPU reading the allocator costs host time that a
-        launch-bound run pays as device idle; its peak comes from the allocator anyway)."""
+        launch-bound run pays as device idle; its peak comes from the allocator anyway).
+        `two_pass`: alternate labelled and timed iterations (module docstring)."""
         self.clock = clock
         self.blocking = (clock.kind == "cpu") if blocking_collectives is None else blocking_collectives
         self._allocated = allocated_bytes
         self._fine_memory = memory_at_module_boundaries
+        self.two_pass = two_pass
+        self.mode_listeners: list[Callable[[bool], None]] = []
+        """Called with True when labelled iterations begin and False when timed ones do."""
+        self.built: dict[str, Any] = {}
+        """How the last `build` was made: timing, timed_iteration, labelled_iteration (1-based)."""
         self._delays: Optional[Sequence[float]] = None
         self._comm_ordinal = 0
         self._lock = threading.RLock()
-        now = clock.mark()
-        self.setup = _Iteration(origin=now)
+        self.setup = _Iteration(labelled=True)
         self.iterations: list[_Iteration] = []
         self._cur = self.setup
-        self._seg_start = now
+        self._seg_start = self.setup.add(clock.mark(), "iteration")
         self._labels: list[str] = ["host"]
         self._open_spans: list[tuple] = []
         self._pending: dict[str, list[int]] = {}  # stream -> deps of its next compute node
         self._events: dict[int, tuple[_Iteration, int]] = {}  # id(device event) -> node it marks
         self._works: dict[int, tuple[Any, _Iteration, int]] = {}
 
+    @property
+    def labelling(self) -> bool:
+        """Whether module boundaries are cut now (the current iteration is a labelled one)."""
+        return self._cur.labelled
+
     # -- labels and spans ----------------------------------------------------------------------
 
     def enter(self, label: str) -> None:
         with self._lock:
-            self._cut(self._fine_memory)
+            if self._cur.labelled:
+                self._cut(self._fine_memory, None)
             self._labels.append(label)
 
     def exit(self) -> None:
         with self._lock:
-            self._cut(self._fine_memory)
+            if self._cur.labelled:
+                self._cut(self._fine_memory, None)
             if len(self._labels) > 1:
                 self._labels.pop()
 
     def backward_at(self, label: str) -> None:
         """Autograd reached `label`'s backward: what follows in the open backward span is its."""
         with self._lock:
-            self._cut(self._fine_memory)
+            if self._cur.labelled:
+                self._cut(self._fine_memory, None)
             for i in range(len(self._open_spans) - 1, -1, -1):
                 if self._open_spans[i][0] == "backward":
                     self._labels[self._open_spans[i][5]] = label
@@ -120,26 +155,32 @@ class Recorder:
 
     def span_begin(self, name: str, microbatch: int, chunk: int) -> None:
         with self._lock:
-            now = self._cut()
+            now = self._cut(anchor=f"span:{name}")
             self._labels.append(name)
             self._open_spans.append((name, microbatch, chunk, len(self._cur.nodes), now,
                                      len(self._labels) - 1, self._cur))
 
     def span_end(self) -> None:
         with self._lock:
-            now = self._cut()
-            name, microbatch, chunk, first, t0, depth, it = self._open_spans.pop()
+            now = self._cut(anchor="span_end")
+            name, microbatch, chunk, first, m0, depth, it = self._open_spans.pop()
             del self._labels[depth:]
             if it is self._cur:
-                it.spans.append((name, microbatch, chunk, first, len(it.nodes) - 1, t0, now))
+                it.spans.append((name, microbatch, chunk, first, len(it.nodes) - 1, m0, now))
 
     def begin_iteration(self) -> None:
         with self._lock:
-            now = self._cut()
-            self._cur = _Iteration(origin=now)
+            mark = self._cur.marks[self._cut(anchor="iteration")]  # ends one, begins the next
+            labelled = not self.two_pass or len(self.iterations) % 2 == 0
+            self._cur = _Iteration(labelled=labelled)
+            self._seg_start = self._cur.add(mark, "iteration")
             self.iterations.append(self._cur)
             self._pending = {}
             self._comm_ordinal = 0
+            previous = self.iterations[-2].labelled if len(self.iterations) > 1 else self.setup.labelled
+        if labelled != previous:
+            for listener in self.mode_listeners:
+                listener(labelled)
 
     def inject_delays(self, delays: Sequence[float]) -> None:
         """Realtime emulation: hold the stream `delays[k]` seconds inside the k-th communication
@@ -150,7 +191,7 @@ class Recorder:
     def origin_s(self, iteration: int = -1) -> Optional[float]:
         """The host clock (perf_counter, one clock for every process of a machine) at the start of
         `iteration`, when the device clock is the host's; None otherwise."""
-        origin = self.iterations[iteration].origin if self.iterations else None
+        origin = self.iterations[iteration].marks[0] if self.iterations else None
         return float(origin) if isinstance(origin, float) else None
 
     @property
@@ -173,7 +214,7 @@ class Recorder:
     def comm_begin(self, *, op: str, dim: str, group: str, nbytes: int, dtype: str,
                    peer_delta: Optional[int]) -> None:
         with self._lock:
-            now = self._cut()
+            now = self._cut(anchor=f"comm:{op}:{group}")
             it, stream = self._cur, f"comm.{dim}"
             deps = [it.last[s] for s in (self.clock.stream(), stream) if s in it.last]
             it.last[stream] = len(it.nodes)
@@ -183,16 +224,15 @@ class Recorder:
     def comm_issued(self, work: Any) -> None:
         """The backend returned `work` for the operation begun last; its time so far was the op's."""
         with self._lock:
-            now = self.clock.mark()
             it = self._cur
-            node = it.nodes[-1]
-            if node.kind != NodeKind.COMM:
+            node = it.nodes[-1] if it.nodes else None
+            if node is None or node.kind != NodeKind.COMM or node.t1 is not None:
                 return
             if self._delays is not None and it is not self.setup:
                 k, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
                 if k < len(self._delays) and self._delays[k] > 0:
                     self.clock.delay(self._delays[k])
-                    now = self.clock.mark()
+            now = it.add(self.clock.mark(), "issued")
             node.t1 = now
             self._seg_start = now
             if self.blocking and node.peer_delta is None:  # the call returned when the op was done
@@ -205,7 +245,7 @@ class Recorder:
             entry = self._works.pop(id(work), None)
             if entry is None:
                 return None
-            self._cut()  # what ran since the issue (overlapped work, or just the call's return)
+            self._cut(anchor="wait")  # what ran since the issue (overlapped work, or the call's return)
             return entry[1], entry[2]
 
     def wait_end(self, entry: Optional[tuple[_Iteration, int]]) -> None:
@@ -213,7 +253,7 @@ class Recorder:
             return
         with self._lock:
             it, index = entry
-            now = self.clock.mark()
+            now = self._cur.add(self.clock.mark(), "waited")
             if it is self._cur:
                 self._pending.setdefault(self.clock.stream(), []).append(index)
             self._seg_start = now
@@ -224,7 +264,7 @@ class Recorder:
         """`event` was recorded on `stream`: it completes with that stream's latest node."""
         with self._lock:
             if stream == self.clock.stream():
-                self._cut()
+                self._cut(anchor="event_recorded")
             if stream in self._cur.last:
                 self._events[id(event)] = (self._cur, self._cur.last[stream])
 
@@ -235,27 +275,28 @@ class Recorder:
             if entry is None or entry[0] is not self._cur:
                 return
             if stream == self.clock.stream():
-                self._cut()
+                self._cut(anchor="event_waited")
             self._pending.setdefault(stream, []).append(entry[1])
 
     def stream_waited(self, waiting: str, waited: str) -> None:
         """`waiting.wait_stream(waited)`: the next node of `waiting` depends on `waited`'s latest."""
         with self._lock:
             if waiting == self.clock.stream() or waited == self.clock.stream():
-                self._cut()
+                self._cut(anchor="stream_waited")
             if waited in self._cur.last and waited != waiting:
                 self._pending.setdefault(waiting, []).append(self._cur.last[waited])
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _cut(self, sample_memory: bool = True) -> Any:
-        """Close the compute segment that ends now; return the mark."""
-        now = self.clock.mark()
+    def _cut(self, sample_memory: bool = True, anchor: Optional[str] = "cut") -> int:
+        """Close the compute segment that ends now; return the mark's index. `anchor`: what the mark
+        is when it is one (None: a module boundary, cut only in labelled iterations)."""
         it, stream = self._cur, self.clock.stream()
+        now = it.add(self.clock.mark(), anchor)
         deps = ([it.last[stream]] if stream in it.last else []) + self._pending.pop(stream, [])
         it.last[stream] = len(it.nodes)
         it.nodes.append(_Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
-        if sample_memory:
+        if sample_memory and it.labelled:
             it.mem.append((now, self._allocated()))
         self._seg_start = now
         return now
@@ -270,37 +311,76 @@ class Recorder:
                 raise RecorderError("no training iteration was recorded: iterations are marked by "
                                     "megatron-core's forward_backward_func; call it through "
                                     "get_forward_backward_func() after prism_megatron.install")
-            try:
-                it = self.iterations[iteration]
-            except IndexError:
-                raise RecorderError(f"iteration {iteration} was not recorded; the run had "
-                                    f"{len(self.iterations)}") from None
+            n_it = len(self.iterations)
+            if not -n_it <= iteration < n_it:
+                raise RecorderError(f"iteration {iteration} was not recorded; the run had {n_it}")
+            k = iteration % n_it
+            timed, labelled = self._pair(k)
             # The last iteration ends at its last boundary: what follows (end-of-run logging,
             # summaries) is not part of a training iteration.
-        marks = [n.t0 for n in it.nodes] + [n.t1 if n.t1 is not None else n.t0 for n in it.nodes]
-        marks += [m[0] for m in it.mem] + [s[5] for s in it.spans] + [s[6] for s in it.spans]
-        seconds = self.clock.seconds(marks, it.origin)
-        n, m = len(it.nodes), len(it.mem)
-        start, end = seconds[:n], seconds[n:2 * n]
+        it = self.iterations[labelled]
+        seconds = self._seconds(it, self.iterations[timed])
+        self.built = {"timing": "two-pass" if timed != labelled else "single-pass",
+                      "timed_iteration": timed + 1, "labelled_iteration": labelled + 1}
         b = RoleGraphBuilder(role, representative, strings)
         seq: dict[str, int] = {}
-        for i, node in enumerate(it.nodes):
-            duration = max(0.0, float(end[i] - start[i]))
+        for node in it.nodes:
+            start = float(seconds[node.t0])
+            duration = max(0.0, float(seconds[node.t1 if node.t1 is not None else node.t0]) - start)
             if node.kind == NodeKind.COMPUTE:
-                b.compute(node.name, stream=node.stream, start_s=float(start[i]), duration_s=duration,
+                b.compute(node.name, stream=node.stream, start_s=start, duration_s=duration,
                           deps=node.deps)
             else:
                 seq[node.group] = seq.get(node.group, -1) + 1
                 b.comm(node.op, dim=node.dim, nbytes=node.nbytes, dtype=node.dtype,
-                       seq=seq[node.group], stream=node.stream, start_s=float(start[i]),
+                       seq=seq[node.group], stream=node.stream, start_s=start,
                        duration_s=duration, peer_delta=node.peer_delta, deps=node.deps)
-        span_t = seconds[2 * n + m:]
-        k = len(it.spans)
-        for j, (name, microbatch, chunk, first, last, _, _) in enumerate(it.spans):
+        for name, microbatch, chunk, first, last, m0, m1 in it.spans:
             b.span(name, microbatch=microbatch, chunk=chunk, first=first, last=last,
-                   start_s=float(span_t[j]), end_s=float(span_t[k + j]))
+                   start_s=float(seconds[m0]), end_s=float(seconds[m1]))
         for layer, microbatch, chunk, tokens in it.moe:
             b.moe(layer=layer, microbatch=microbatch, chunk=chunk, tokens=tokens)
-        mem_t = seconds[2 * n:2 * n + m]
+        mem_t = np.asarray([seconds[m] for m, _ in it.mem], dtype="f8")
         return b.build(mem_t_s=mem_t, mem_bytes=np.asarray([x[1] for x in it.mem], dtype="i8"),
                        **memory)
+
+    def _pair(self, k: int) -> tuple[int, int]:
+        """(timed, labelled) iteration indices for building iteration `k`."""
+        its = self.iterations
+        if not self.two_pass:
+            return k, k
+        timed = k if not its[k].labelled else next(
+            (j for j in (k - 1, k + 1) if 0 <= j < len(its) and not its[j].labelled), None)
+        if timed is None:
+            return k, k
+        for j in (k, timed - 1, timed + 1):
+            if 0 <= j < len(its) and its[j].labelled and _same_program(its[j], its[timed], its[-1]):
+                return timed, j
+        return (k, k) if its[k].labelled else (timed, timed)
+
+    def _seconds(self, it: _Iteration, timed: _Iteration) -> np.ndarray:
+        """Seconds of every mark of `it` from its origin, on the clock of `timed` (module docstring)."""
+        own = self.clock.seconds(it.marks, it.marks[0])
+        if timed is it:
+            return own
+        anchors = np.flatnonzero(np.asarray(it.anchor, dtype=bool))
+        a0 = own[anchors]
+        theirs = np.flatnonzero(timed.anchor)[:len(anchors)]
+        target = self.clock.seconds([timed.marks[i] for i in theirs], timed.marks[0])
+        if len(target) < len(a0):  # the run's last iteration goes on past the other: as recorded
+            target = np.concatenate([target, target[-1] + a0[len(target):] - a0[len(target) - 1]])
+        before = np.cumsum(it.anchor) - 1  # per mark: its anchor or the anchor before it
+        span_own = np.diff(a0, append=np.nan)
+        span_target = np.diff(target, append=np.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            scale = np.where(span_own > 0, span_target / span_own, 0.0)
+        scale = np.nan_to_num(scale, nan=1.0)  # after the last anchor: as recorded
+        return target[before] + (own - a0[before]) * scale[before]
+
+
+def _same_program(labelled: _Iteration, timed: _Iteration, last: _Iteration) -> bool:
+    """Whether both ran one program: the same anchors in the same order (the run's `last` iteration
+    has no next iteration's begin, and may go on with what the run does after training)."""
+    a, b = labelled.signature, timed.signature
+    n = min(len(a), len(b))
+    return n > 0 and a[:n] == b[:n] and (len(a) == len(b) or last in (labelled, timed))
