@@ -1,8 +1,8 @@
 """Fidelity harness: the real job (N processes, plain megatron-core) against its emulation (1 process).
 
-For each named config, in one invocation: the real job runs `--reps` times as N processes (torchrun;
-no virtual world, no recorder), and the emulation captures the job's graph once (slices, one process at
-a time) and runs `prism-megatron emulate` `--reps` times with one sandbox process. Per config it prints
+For each named config, in one invocation: the emulation captures the job's graph once (slices, one
+process at a time); then the real job (N processes under torchrun; no virtual world, no recorder) and
+`prism-megatron emulate` (one sandbox process) run `--reps` times each, interleaved. Per config it prints
 the real median iteration time and its run-to-run spread, the emulated iteration time, the error, and
 the real and emulated peak allocated memory of the sandbox rank and their error.
 
@@ -80,46 +80,60 @@ def config_file(name: str, device: str, iters: int, tmp: Path) -> tuple[Path, in
     return path, world, sandbox
 
 
-def real_runs(name: str, config: Path, world: int, device: str, reps: int, warmup: int, tmp: Path):
-    medians, peaks = [], {}
-    for rep in range(reps):
-        out = tmp / f"{name}-real{rep}"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-             str(_port()), str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config", str(config),
-             "--prism-summary-json", str(out / "summary{rank}.json")],
-            capture_output=True, text=True, env=_env(device), cwd=REPO, timeout=3600)
-        if proc.returncode:
-            raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
-        per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
-        iters = list(zip(*[s["iteration_times_ms"] for s in per_rank]))[warmup:]
-        medians.append(statistics.median(max(x) for x in iters) / 1e3)
-        for s in per_rank:
-            peaks.setdefault(s["virtual_rank"], []).append(s.get("peak_allocated_bytes",
-                                                                 s.get("peak_tracked_bytes")))
-    return medians, peaks
+def real_run(name: str, config: Path, world: int, device: str, warmup: int, out: Path):
+    """One real run: the median over iterations after `warmup` of the slowest rank's iteration time,
+    and rank -> peak allocated bytes."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+         str(_port()), str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config", str(config),
+         "--prism-summary-json", str(out / "summary{rank}.json")],
+        capture_output=True, text=True, env=_env(device), cwd=REPO, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
+    per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
+    iters = list(zip(*[s["iteration_times_ms"] for s in per_rank]))[warmup:]
+    peaks = {s["virtual_rank"]: s.get("peak_allocated_bytes", s.get("peak_tracked_bytes")) for s in per_rank}
+    return statistics.median(max(x) for x in iters) / 1e3, peaks
 
 
-def emulated_runs(name: str, config: Path, world: int, sandbox: list[str], device: str, reps: int,
-                  tmp: Path, cluster: str, calibration, realtime: bool = False):
+def capture(name: str, config: Path, world: int, device: str, tmp: Path) -> str:
     from prism_megatron.capture.run import Capture
     from prism_megatron.config import load_config
+
+    cfg = load_config([f"emulation.virtual_world_size={world}"], str(config))
+    run = Capture(cfg, str(tmp / f"{name}-capture"), workers=1, device=device, log=lambda s: None).run()
+    return run.graph_path
+
+
+def emulated_run(graph_path: str, sandbox: list[str], device: str, out: Path, cluster: str, calibration,
+                 clock: str = "virtual") -> dict:
     from prism_megatron.emulate.run import Emulation
     from prism_megatron.sim.cluster import load_cluster
 
-    cfg = load_config([f"emulation.virtual_world_size={world}"], str(config))
-    capture = Capture(cfg, str(tmp / f"{name}-capture"), workers=1, device=device, log=lambda s: None).run()
-    runs = []
-    for rep in range(reps):
-        out = tmp / f"{name}-emu{rep}"
-        clock = "realtime" if realtime and rep == reps - 1 else "virtual"
-        summary = Emulation(capture.graph_path, str(out), sandbox, load_cluster(cluster), calibration,
-                            device=device, clock=clock).run()
-        rank = summary["sandbox"][0]["virtual_rank"]
-        wall = json.loads((out / "sandbox" / f"summary{rank}.json").read_text())["iteration_times_ms"]
-        summary["sandbox_wall_ms"] = [round(t, 3) for t in wall]  # its own loop, ghosts answering at once
-        runs.append(summary)
-    return runs
+    summary = Emulation(graph_path, str(out), sandbox, load_cluster(cluster), calibration, device=device,
+                        clock=clock).run()
+    rank = summary["sandbox"][0]["virtual_rank"]
+    wall = json.loads((out / "sandbox" / f"summary{rank}.json").read_text())["iteration_times_ms"]
+    summary["sandbox_wall_ms"] = [round(t, 3) for t in wall]  # its own loop, ghosts answering at once
+    return summary
+
+
+def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: Path, cluster: str,
+            calibration) -> tuple[list[float], dict, list[dict]]:
+    """Capture once, then real and emulated runs interleaved (real, emulated, real, ...), so that a
+    drift of the machine over the minutes of a config reaches both sides alike."""
+    graph_path = capture(name, config, world, args.device, tmp)
+    real, peaks, emus = [], {}, []
+    for rep in range(args.reps):
+        seconds, rank_peaks = real_run(name, config, world, args.device, args.warmup,
+                                       tmp / f"{name}-real{rep}")
+        real.append(seconds)
+        for rank, peak in rank_peaks.items():
+            peaks.setdefault(rank, []).append(peak)
+        clock = "realtime" if args.realtime and rep == args.reps - 1 else "virtual"
+        emus.append(emulated_run(graph_path, sandbox, args.device, tmp / f"{name}-emu{rep}", cluster,
+                                 calibration, clock))
+    return real, peaks, emus
 
 
 def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> None:
@@ -184,9 +198,7 @@ def main() -> int:
         tmp = Path(tmp_name)
         for name in args.configs:
             config, world, sandbox = config_file(name, args.device, args.iters, tmp)
-            real, peaks = real_runs(name, config, world, args.device, args.reps, args.warmup, tmp)
-            emus = emulated_runs(name, config, world, sandbox, args.device, args.reps, tmp, cluster,
-                                 calibration, args.realtime)
+            real, peaks, emus = measure(name, config, world, sandbox, args, tmp, cluster, calibration)
             real_s = statistics.median(real)
             emu_s = statistics.median(e["iteration_time_s"] for e in emus)
             rank = emus[0]["sandbox"][0]["virtual_rank"]

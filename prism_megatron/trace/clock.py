@@ -44,13 +44,25 @@ class CudaClock:
         self._torch = torch
         self._default = torch.cuda.default_stream()
         self._record = torch.cuda.Event.record  # before the recorder's own hook wraps it
-        # current_stream() builds a Stream object per call; the recorder asks at every boundary
+        # current_stream() builds a Stream object per call and Event.record asks for it; a mark is
+        # taken at every anchor, so the raw event is recorded on a cached Stream of the current id
         self._current = getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._event = getattr(torch._C, "_CudaEventBase", None)
+        self._streams: dict[int, Any] = {}
         self._cycles_per_s = None
 
     def mark(self) -> Any:
-        event = self._torch.cuda.Event(enable_timing=True)
-        self._record(event)
+        if self._current is None or self._event is None:
+            event = self._torch.cuda.Event(enable_timing=True)
+            self._record(event)
+            return event
+        stream_id, device, device_type = self._current(self._torch.cuda.current_device())
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = self._torch.cuda.Stream(
+                stream_id=stream_id, device_index=device, device_type=device_type)
+        event = self._event(enable_timing=True)
+        self._event.record(event, stream)
         return event
 
     def delay(self, seconds: float) -> None:

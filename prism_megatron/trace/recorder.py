@@ -240,23 +240,29 @@ class Recorder:
             if work is not None:
                 self._works[id(work)] = (work, it, len(it.nodes) - 1)
 
-    def wait_begin(self, work: Any) -> Optional[tuple[_Iteration, int]]:
+    def wait_begin(self, work: Any) -> Optional[tuple[_Iteration, int, bool]]:
         with self._lock:
             entry = self._works.pop(id(work), None)
             if entry is None:
                 return None
-            self._cut(anchor="wait")  # what ran since the issue (overlapped work, or the call's return)
-            return entry[1], entry[2]
+            it, index = entry[1], entry[2]
+            # Waited right after its issue (a synchronous call): nothing ran in between, so no node
+            # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
+            at_once = it is self._cur and index == len(it.nodes) - 1 and it.nodes[index].t1 == self._seg_start
+            if not at_once:
+                self._cut(anchor="wait")  # what ran since the issue (overlapped work)
+            return it, index, at_once
 
-    def wait_end(self, entry: Optional[tuple[_Iteration, int]]) -> None:
+    def wait_end(self, entry: Optional[tuple[_Iteration, int, bool]]) -> None:
         if entry is None:
             return
         with self._lock:
-            it, index = entry
-            now = self._cur.add(self.clock.mark(), "waited")
+            it, index, at_once = entry
             if it is self._cur:
                 self._pending.setdefault(self.clock.stream(), []).append(index)
-            self._seg_start = now
+            if at_once:
+                return  # the issue's mark stands: what follows is the next segment's
+            self._seg_start = self._cur.add(self.clock.mark(), "waited")
 
     # -- cross-stream synchronization (device events) -------------------------------------------
 
