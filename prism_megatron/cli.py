@@ -96,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--clock", choices=("virtual", "realtime"), default="virtual",
                              help="virtual: compute the iteration time; realtime: then run the sandboxes "
                                   "again with the computed waits injected and report their wall clock")
+            cmd.add_argument("--pace", choices=("auto", "on", "off"), default="auto",
+                             help="hold each of the sandbox's collectives on its device stream for the wait "
+                                  "a ghost-only replay computes, so compute is measured at the production "
+                                  "duty cycle (auto: on GPU)")
             cmd.add_argument("--json", default=None, help="write the summary JSON here too")
             continue
         if name == "sweep":

@@ -159,14 +159,16 @@ def test_emulating_two_sandboxes_gives_their_real_memory_and_the_job_figures(rea
 
 def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
     """clock=realtime: the sandbox runs again with the replay's waits injected (a sleep on CPU) and its
-    measured wall-clock iteration lands near the virtual figure (CPU timing noise allowed)."""
+    measured wall-clock iteration lands near the virtual figure (CPU timing noise allowed). Paced (as
+    on GPU): the first sandbox run already holds each collective for the ghost-only replay's wait, and
+    the injected waits belong to no node of its graph."""
     name, _, summary, graph = real_and_captured
     if name != "tp2pp2dp2":
         pytest.skip("one config is enough")
     proc = subprocess.run(
         [sys.executable, "-m", "prism_megatron.cli", "emulate", summary["graph_path"], "--out",
-         str(tmp_path / "emu"), "--sandbox", "last-stage", "--clock", "realtime", "cluster=cpu_host",
-         "--json", str(tmp_path / "emu.json")],
+         str(tmp_path / "emu"), "--sandbox", "last-stage", "--clock", "realtime", "--pace", "on",
+         "cluster=cpu_host", "--json", str(tmp_path / "emu.json")],
         capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "emu.json").read_text())
@@ -177,6 +179,16 @@ def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
     assert len(plan) == int((sandbox.graph_of(rank).columns["kind"] != 0).sum())
     assert all(w >= 0 for w in plan) and sum(plan) > 0
     assert out["clock"] == "realtime" and abs(row["realtime_vs_virtual_pct"]) < 25
+    assert out["paced"] and row["realtime_replay_iteration_s"] > 0
+    paced = json.loads((tmp_path / "emu" / "pace_plan.json").read_text())["delays_s"][str(rank)]
+    assert len(paced) == len(plan) and sum(paced) > 0
+    # the paced run's compute excludes its waits: its nodes' durations sum to well under its wall time
+    cols = sandbox.graph_of(rank).columns
+    assert float(cols["duration_s"].sum()) < _span(cols) - 0.5 * sum(paced)
+
+
+def _span(cols) -> float:
+    return float((cols["start_s"] + cols["duration_s"]).max() - cols["start_s"].min())
 
 
 @pytest.mark.parametrize("args,message", [

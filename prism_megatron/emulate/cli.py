@@ -48,12 +48,16 @@ def _specs(text: Optional[str], default: list) -> list[str]:
     return specs or ["first-stage"]
 
 
+def _pace(choice: str) -> Optional[bool]:
+    return {"on": True, "off": False}.get(choice)
+
+
 def emulate_command(args) -> int:
     from prism_megatron.emulate.run import Emulation
 
     cluster, calibration = _cluster(args.overrides)
     summary = Emulation(args.graph, args.out, _specs(args.sandbox, []), cluster, calibration,
-                        device=args.device, clock=args.clock).run()
+                        device=args.device, clock=args.clock, pace=_pace(args.pace)).run()
     _print(summary)
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
@@ -80,7 +84,7 @@ def run_command(args) -> int:
     capture = Capture(cfg, str(out / "capture"), workers=args.workers, device=args.device).run()
     print(f"graph: {capture.graph_path} ({capture.slices_run} slices run, {capture.slices_reused} reused)")
     summary = Emulation(capture.graph_path, str(out / "emulation"), specs, cluster, calibration,
-                        device=args.device, clock=args.clock).run()
+                        device=args.device, clock=args.clock, pace=_pace(args.pace)).run()
     summary["graph_path"] = capture.graph_path
     _print(summary)
     atomic_write_text(str(out / "run.json"), json.dumps(summary, indent=1))

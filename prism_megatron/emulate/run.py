@@ -65,6 +65,12 @@ class Emulation:
     """virtual: the iteration time is computed; realtime: then the sandboxes run again with the
     computed waits injected (`<out>/delay_plan.json`), and their measured wall-clock iteration is
     reported beside the virtual figure."""
+    pace: Optional[bool] = None
+    """Run the sandboxes with each collective holding the device stream for the wait a ghost-only
+    replay computes for it (default: on GPU). A real rank's host keeps launching while its NCCL
+    kernel waits; a sandbox whose collectives end at once has no such slack, and in a launch-bound
+    job its measured compute then includes device idle the real job does not have. Nothing changes
+    on CPU (a sleep there holds the host too), and the iteration time is still computed."""
     _timed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     """rank -> the iteration (0-based) whose durations its sandbox graph holds (trace/recorder.py)."""
 
@@ -79,7 +85,14 @@ class Emulation:
             times = Simulator(graph, cost).run().rank_times()
         ranks = resolve_sandbox(self.sandbox, graph, times)
         text = str(graph.meta.get("config", ""))
-        measured = self._run_sandbox(text, ranks, out / "sandbox")
+        device = self.device or _device_of(text)
+        paced = self.pace if self.pace is not None else device == "cuda"
+        job = text
+        if paced:  # the ghost-only replay's waits: what a collective of this rank lasts at scale
+            first = Simulator(graph, cost).run(tuple(ranks))
+            job = _with_delays(text, {r: waits(graph.roles[graph.world.role(r)], *first.timelines[r])
+                                      for r in ranks}, out / "pace_plan.json")
+        measured = self._run_sandbox(job, ranks, out / "sandbox")
         merged, rank_graphs = _with_sandbox(graph, measured)
         result = Simulator(merged, cost, rank_graphs=rank_graphs).run(
             tuple(sorted({*(self.trace_ranks or ranks), *ranks})))
@@ -94,7 +107,7 @@ class Emulation:
             "physical_fraction": len(ranks) / world.world_size,
             "materialized_ghosts": len(direct_peers(graph, ranks)), "classes": len(result.classes),
             "sim_wall_s": round(result.sim_wall_s, 4), "cluster": self.cluster.name,
-            "clock": "virtual", "compute_durations_from": graph.meta.get("device", "?"),
+            "clock": "virtual", "paced": paced, "compute_durations_from": graph.meta.get("device", "?"),
             "sandbox": [{"virtual_rank": r, "iteration_time_s": float(class_times[r]),
                          "recorded_iteration_s": _span_s(measured[r]),
                          "peak_allocated_bytes": int(measured[r].peak_bytes),
@@ -121,12 +134,9 @@ class Emulation:
         by a host that could run ahead during the waits, as a real rank's host does during its
         collectives; the replay ignores the recorded length of a communication node, so the injected
         waits are not counted twice)."""
-        plan = {"delays_s": {str(r): waits(rank_graphs[r], *result.timelines[r]) for r in ranks}}
-        path = out / "delay_plan.json"
-        atomic_write_text(str(path), json.dumps(plan))
-        job = yaml.safe_load(text)
-        job["emulation"].update(clock="realtime", delay_plan=str(path))
-        measured = self._run_sandbox(yaml.safe_dump(job, sort_keys=False), ranks, out / "realtime")
+        job = _with_delays(text, {r: waits(rank_graphs[r], *result.timelines[r]) for r in ranks},
+                           out / "delay_plan.json")
+        measured = self._run_sandbox(job, ranks, out / "realtime")
         graph = load_graph(self.graph_path)
         merged, again = _with_sandbox(graph, measured)
         replay = Simulator(merged, self.cluster.cost_model(self.calibration), rank_graphs=again).run()
@@ -195,6 +205,14 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
         if timed is not None:
             timed[r] = int(g.meta.get("timed_iteration") or g.meta.get("iterations_run", 1) - 1) - 1
     return graphs
+
+
+def _with_delays(config_yaml: str, delays: dict[int, list[float]], path: Path) -> str:
+    """The job config with these per-rank waits injected (clock=realtime); the plan goes to `path`."""
+    atomic_write_text(str(path), json.dumps({"delays_s": {str(r): d for r, d in delays.items()}}))
+    job = yaml.safe_load(config_yaml)
+    job["emulation"].update(clock="realtime", delay_plan=str(path))
+    return yaml.safe_dump(job, sort_keys=False)
 
 
 def waits(g: RoleGraph, post: np.ndarray, fin: np.ndarray) -> list[float]:

@@ -112,6 +112,7 @@ class Recorder:
         """How the last `build` was made: timing, timed_iteration, labelled_iteration (1-based)."""
         self._delays: Optional[Sequence[float]] = None
         self._comm_ordinal = 0
+        self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
         self._lock = threading.RLock()
         self.setup = _Iteration(labelled=True)
         self.iterations: list[_Iteration] = []
@@ -228,13 +229,17 @@ class Recorder:
             node = it.nodes[-1] if it.nodes else None
             if node is None or node.kind != NodeKind.COMM or node.t1 is not None:
                 return
-            if self._delays is not None and it is not self.setup:
-                k, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
-                if k < len(self._delays) and self._delays[k] > 0:
-                    self.clock.delay(self._delays[k])
             now = it.add(self.clock.mark(), "issued")
             node.t1 = now
             self._seg_start = now
+            if self._delays is not None and it is not self.setup:
+                k, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
+                if k < len(self._delays) and self._delays[k] > 0:
+                    # the injected wait belongs to no node, as a blocked wait does not: the replay
+                    # computes it; the operation's own (local) part is what ran before it
+                    self.clock.delay(self._delays[k])
+                    self._seg_start = it.add(self.clock.mark(), "delayed")
+            self._after_issue = self._seg_start
             if self.blocking and node.peer_delta is None:  # the call returned when the op was done
                 self._pending.setdefault(self.clock.stream(), []).append(len(it.nodes) - 1)
             if work is not None:
@@ -248,7 +253,7 @@ class Recorder:
             it, index = entry[1], entry[2]
             # Waited right after its issue (a synchronous call): nothing ran in between, so no node
             # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
-            at_once = it is self._cur and index == len(it.nodes) - 1 and it.nodes[index].t1 == self._seg_start
+            at_once = it is self._cur and index == len(it.nodes) - 1 and self._seg_start == self._after_issue
             if not at_once:
                 self._cut(anchor="wait")  # what ran since the issue (overlapped work)
             return it, index, at_once
