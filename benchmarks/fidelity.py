@@ -8,8 +8,12 @@ the real and emulated peak allocated memory of the sandbox rank and their error.
 
 Real iteration time: per run, the median over iterations after `--warmup` of the slowest rank's
 iteration time (the example times each iteration from zero_grad to after the optimizer step and a
-device synchronize); the real figure is the median of the runs, the spread (max - min) / median.
-Emulated: the DES iteration time of the job with the sandbox's recorded iteration in its rank's place.
+device synchronize); the real figure is the median of the runs, the spread (max - min) / median. A
+config routed by a seeded imbalance model draws its loads per iteration, so there the real figure is
+the slowest rank's time in the iteration the emulation timed (same loads), not a median over them.
+Emulated: the DES iteration time of the job with the sandbox's recorded iteration in its rank's place
+(on GPU measured paced: emulate/run.py). `--realtime`: the last emulation of a config also runs with
+the computed waits injected, and its wall clock is reported against the virtual figure.
 
     python benchmarks/fidelity.py [--configs ...] [--device cpu|cuda] [--reps 3] [--json PATH] [--list]
 
@@ -91,9 +95,9 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
     if proc.returncode:
         raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
     per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
-    iters = list(zip(*[s["iteration_times_ms"] for s in per_rank]))[warmup:]
+    slowest = [max(x) / 1e3 for x in zip(*[s["iteration_times_ms"] for s in per_rank])]
     peaks = {s["virtual_rank"]: s.get("peak_allocated_bytes", s.get("peak_tracked_bytes")) for s in per_rank}
-    return statistics.median(max(x) for x in iters) / 1e3, peaks
+    return statistics.median(slowest[warmup:]), peaks, slowest
 
 
 def capture(name: str, config: Path, world: int, device: str, tmp: Path) -> str:
@@ -123,18 +127,28 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
     """Capture once, then real and emulated runs interleaved (real, emulated, real, ...), so that a
     drift of the machine over the minutes of a config reaches both sides alike."""
     graph_path = capture(name, config, world, args.device, tmp)
-    real, peaks, emus = [], {}, []
+    real, peaks, emus, per_iteration = [], {}, [], []
     for rep in range(args.reps):
         if not args.no_real:
-            seconds, rank_peaks = real_run(name, config, world, args.device, args.warmup,
-                                           tmp / f"{name}-real{rep}")
+            seconds, rank_peaks, slowest = real_run(name, config, world, args.device, args.warmup,
+                                                    tmp / f"{name}-real{rep}")
             real.append(seconds)
+            per_iteration.append(slowest)
             for rank, peak in rank_peaks.items():
                 peaks.setdefault(rank, []).append(peak)
         clock = "realtime" if args.realtime and rep == args.reps - 1 else "virtual"
         emus.append(emulated_run(graph_path, sandbox, args.device, tmp / f"{name}-emu{rep}", cluster,
                                  calibration, clock))
+    if real and _routing_varies(name):  # compare the iteration the emulation timed, same routing
+        timed = emus[0]["sandbox"][0]["timed_iteration"] - 1
+        real = [times[timed] for times in per_iteration]
     return real, peaks, emus
+
+
+def _routing_varies(name: str) -> bool:
+    """The config routes MoE tokens by a seeded model drawn per iteration: iterations differ in load,
+    so the real figure is the same iteration's, not the median over iterations."""
+    return any(o.startswith("moe.imbalance=") for o in CONFIGS[name][1])
 
 
 def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> None:

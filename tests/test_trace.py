@@ -26,6 +26,9 @@ class FakeClock:
         self.t += 1e-3
         return self.t
 
+    def delay(self, seconds: float) -> None:
+        self.t += seconds
+
     def stream(self) -> str:
         return "compute"
 
@@ -320,3 +323,24 @@ def test_two_pass_falls_back_to_one_pass_when_the_programs_differ():
     assert "decoder.layers.0.mlp" in names
     _built(rec, iteration=1)
     assert rec.built["labelled_iteration"] == 2 and rec.built["timing"] == "single-pass"
+
+
+def test_injected_waits_belong_to_no_node_at_the_issue_or_at_the_wait():
+    rec = Recorder(FakeClock(), lambda: 0)
+    rec.inject_delays([0.5, 0.0], at_wait=[0.0, 0.25])
+    rec.begin_iteration()
+    rec.enter("attention")
+    rec.wait_end(rec.wait_begin(_comm(rec, group="tp0")))  # synchronous: held at its issue
+    work = _comm(rec, dim="dp", group="dp0")               # asynchronous: held where it is waited
+    rec.enter("overlapped")
+    rec.exit()
+    rec.wait_end(rec.wait_begin(work))
+    rec.exit()
+    g, names, _ = _built(rec)
+    cols = g.columns
+    end = float((cols["start_s"] + cols["duration_s"]).max())
+    # both waits are gaps (with the fake clock's 1 ms step of the mark that ends each)
+    assert float(cols["duration_s"].sum()) == pytest.approx(end - 0.75 - 2e-3)
+    sync = names.index("all_reduce")
+    assert cols["duration_s"][sync] == pytest.approx(1e-3)  # the call itself
+    assert cols["start_s"][sync + 1] == pytest.approx(cols["start_s"][sync] + 1e-3 + 0.5 + 1e-3)

@@ -109,6 +109,7 @@ class Emulation:
             "sim_wall_s": round(result.sim_wall_s, 4), "cluster": self.cluster.name,
             "clock": "virtual", "paced": paced, "compute_durations_from": graph.meta.get("device", "?"),
             "sandbox": [{"virtual_rank": r, "iteration_time_s": float(class_times[r]),
+                         "timed_iteration": self._timed[r] + 1,
                          "recorded_iteration_s": _span_s(measured[r]),
                          "peak_allocated_bytes": int(measured[r].peak_bytes),
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
@@ -207,24 +208,48 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
     return graphs
 
 
-def _with_delays(config_yaml: str, delays: dict[int, list[float]], path: Path) -> str:
-    """The job config with these per-rank waits injected (clock=realtime); the plan goes to `path`."""
-    atomic_write_text(str(path), json.dumps({"delays_s": {str(r): d for r, d in delays.items()}}))
+def _with_delays(config_yaml: str, plans: dict[int, tuple[list[float], list[float]]], path: Path) -> str:
+    """The job config with these per-rank waits (`waits()`) injected (clock=realtime); the plan goes
+    to `path`."""
+    atomic_write_text(str(path), json.dumps({
+        "delays_s": {str(r): issue for r, (issue, _) in plans.items()},
+        "wait_delays_s": {str(r): wait for r, (_, wait) in plans.items()}}))
     job = yaml.safe_load(config_yaml)
     job["emulation"].update(clock="realtime", delay_plan=str(path))
     return yaml.safe_dump(job, sort_keys=False)
 
 
-def waits(g: RoleGraph, post: np.ndarray, fin: np.ndarray) -> list[float]:
-    """Per communication node of `g` in program order: how much longer than the sandbox's own call
-    the replay held it there (the wait for ghost peers plus the modelled transfer); >= 0."""
+def waits(g: RoleGraph, post: np.ndarray, fin: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per communication node of `g` in program order, how long the replay holds the issuing stream
+    beyond the sandbox's own call: (at its issue, where it is waited for), each >= 0.
+
+    A synchronous operation (the next compute node of the stream is the first to depend on it) holds
+    the stream from its issue: the wait for ghost peers plus the modelled transfer. An asynchronous
+    one overlaps what runs until its wait; the stream stalls there only as long as the operation ends
+    after everything else the waiting node depends on."""
     cols = g.columns
-    out = []
-    for i in np.nonzero(cols["kind"] != 0)[0].tolist():
-        deps = g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]]
+    kind, duration = cols["kind"], cols["duration_s"]
+    comm = np.nonzero(kind != 0)[0].tolist()
+    waiter: dict[int, int] = {}
+    for j in np.nonzero(kind == 0)[0].tolist():
+        for d in g.dep_idx[g.dep_ptr[j]:g.dep_ptr[j + 1]].tolist():
+            if kind[d] != 0 and d not in waiter:
+                waiter[d] = j
+    compute = np.nonzero(kind == 0)[0]
+    at_issue, at_wait = [], []
+    for i in comm:
+        deps = g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]].tolist()
         ready = float(max((fin[d] for d in deps), default=post[i]))
-        out.append(max(0.0, float(fin[i]) - ready - float(cols["duration_s"][i])))
-    return out
+        j = waiter.get(i)
+        pos = int(np.searchsorted(compute, i, side="right"))
+        if j is None or (pos < len(compute) and j == int(compute[pos])):
+            at_issue.append(max(0.0, float(fin[i]) - ready - float(duration[i])))
+            at_wait.append(0.0)
+            continue
+        others = [fin[d] for d in g.dep_idx[g.dep_ptr[j]:g.dep_ptr[j + 1]].tolist() if d != i]
+        at_issue.append(0.0)
+        at_wait.append(max(0.0, float(fin[i]) - float(max(others, default=post[j]))))
+    return at_issue, at_wait
 
 
 def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph, dict[int, RoleGraph]]:

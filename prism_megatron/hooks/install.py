@@ -163,7 +163,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         if inst.recorder is not None:
             connect_comm(inst.recorder, session)
             if cfg.emulation.clock == "realtime":
-                inst.recorder.inject_delays(_delays_of(cfg.emulation.delay_plan, session.virtual_rank))
+                inst.recorder.inject_delays(*_delays_of(cfg.emulation.delay_plan, session.virtual_rank))
 
     def session_of() -> Optional[VirtualSession]:
         return inst.session
@@ -244,12 +244,14 @@ def _microbatches(cfg: PrismConfig):
     return count
 
 
-def _delays_of(path: Optional[str], rank: int) -> list[float]:
-    """This rank's waits per communication operation of an iteration, from a delay plan file."""
+def _delays_of(path: Optional[str], rank: int) -> tuple[list[float], list[float]]:
+    """This rank's waits per communication operation of an iteration, from a delay plan file: held
+    at each operation's issue, and where it is waited for."""
     try:
         plan = json.loads(Path(str(path)).read_text())
-        return [float(x) for x in plan["delays_s"][str(rank)]]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        at_wait = plan.get("wait_delays_s", {}).get(str(rank), [])
+        return [float(x) for x in plan["delays_s"][str(rank)]], [float(x) for x in at_wait]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(f"emulation.delay_plan={path}: no waits for virtual rank {rank} ({err}); write "
                           "the plan with `prism-megatron emulate --clock realtime`") from None
 

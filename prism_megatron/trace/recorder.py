@@ -111,6 +111,7 @@ class Recorder:
         self.built: dict[str, Any] = {}
         """How the last `build` was made: timing, timed_iteration, labelled_iteration (1-based)."""
         self._delays: Optional[Sequence[float]] = None
+        self._wait_delays: Sequence[float] = ()
         self._comm_ordinal = 0
         self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
         self._lock = threading.RLock()
@@ -183,11 +184,14 @@ class Recorder:
             for listener in self.mode_listeners:
                 listener(labelled)
 
-    def inject_delays(self, delays: Sequence[float]) -> None:
-        """Realtime emulation: hold the stream `delays[k]` seconds inside the k-th communication
-        operation of every iteration (the wait for ghost peers and the modelled transfer that the
-        replay computed), so the run has the production duty cycle."""
+    def inject_delays(self, delays: Sequence[float], at_wait: Sequence[float] = ()) -> None:
+        """Realtime emulation: hold the stream `delays[k]` seconds right after the k-th communication
+        operation of every iteration is issued (a synchronous one: the wait for ghost peers and the
+        modelled transfer that the replay computed), and `at_wait[k]` seconds where that operation
+        is waited for (an asynchronous one: how long the replay's stream stalls there), so the run
+        has the production duty cycle."""
         self._delays = list(delays)
+        self._wait_delays = list(at_wait)
 
     def origin_s(self, iteration: int = -1) -> Optional[float]:
         """The host clock (perf_counter, one clock for every process of a machine) at the start of
@@ -232,6 +236,7 @@ class Recorder:
             now = it.add(self.clock.mark(), "issued")
             node.t1 = now
             self._seg_start = now
+            k = -1
             if self._delays is not None and it is not self.setup:
                 k, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
                 if k < len(self._delays) and self._delays[k] > 0:
@@ -243,29 +248,32 @@ class Recorder:
             if self.blocking and node.peer_delta is None:  # the call returned when the op was done
                 self._pending.setdefault(self.clock.stream(), []).append(len(it.nodes) - 1)
             if work is not None:
-                self._works[id(work)] = (work, it, len(it.nodes) - 1)
+                self._works[id(work)] = (work, it, len(it.nodes) - 1, k)
 
-    def wait_begin(self, work: Any) -> Optional[tuple[_Iteration, int, bool]]:
+    def wait_begin(self, work: Any) -> Optional[tuple[_Iteration, int, bool, int]]:
         with self._lock:
             entry = self._works.pop(id(work), None)
             if entry is None:
                 return None
-            it, index = entry[1], entry[2]
+            _, it, index, ordinal = entry
             # Waited right after its issue (a synchronous call): nothing ran in between, so no node
             # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
             at_once = it is self._cur and index == len(it.nodes) - 1 and self._seg_start == self._after_issue
             if not at_once:
                 self._cut(anchor="wait")  # what ran since the issue (overlapped work)
-            return it, index, at_once
+            return it, index, at_once, ordinal
 
-    def wait_end(self, entry: Optional[tuple[_Iteration, int, bool]]) -> None:
+    def wait_end(self, entry: Optional[tuple[_Iteration, int, bool, int]]) -> None:
         if entry is None:
             return
         with self._lock:
-            it, index, at_once = entry
+            it, index, at_once, ordinal = entry
             if it is self._cur:
                 self._pending.setdefault(self.clock.stream(), []).append(index)
-            if at_once:
+            stall = self._wait_delays[ordinal] if 0 <= ordinal < len(self._wait_delays) else 0.0
+            if stall > 0 and it is self._cur:  # the replay's stream waits here: belongs to no node
+                self.clock.delay(stall)
+            elif at_once:
                 return  # the issue's mark stands: what follows is the next segment's
             self._seg_start = self._cur.add(self.clock.mark(), "waited")
 
