@@ -178,8 +178,12 @@ def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
     sandbox = load_graph(str(tmp_path / "emu" / "sandbox" / f"rank{rank}.prism"), check=False)
     assert len(plan) == int((sandbox.graph_of(rank).columns["kind"] != 0).sum())
     assert all(w >= 0 for w in plan) and sum(plan) > 0
-    assert out["clock"] == "realtime" and abs(row["realtime_vs_virtual_pct"]) < 25
-    assert out["paced"] and row["realtime_replay_iteration_s"] > 0
+    # the wall clock with the waits injected against the replay of the compute it recorded meanwhile
+    # (a CPU computes slower after sleeping; that is in both), and against the virtual figure
+    wall, replayed = row["realtime_iteration_s"], row["realtime_replay_iteration_s"]
+    assert out["clock"] == "realtime" and abs(wall / replayed - 1) < 0.15, (wall, replayed)
+    assert abs(row["realtime_vs_virtual_pct"]) < 40, row
+    assert out["paced"]
     paced = json.loads((tmp_path / "emu" / "pace_plan.json").read_text())["delays_s"][str(rank)]
     assert len(paced) == len(plan) and sum(paced) > 0
     # the paced run's compute excludes its waits: its nodes' durations sum to well under its wall time
