@@ -41,6 +41,9 @@ def _free_port() -> int:
     ("dense", DENSE_8192, 0, "first"),
     ("dense", DENSE_8192, 4711, "middle"),
     ("dense", DENSE_8192, 8191, "last"),
+    # tied embeddings, first stage a ghost: the last stage's copy starts as the first stage's
+    # embedding would (it stayed zero before: grad norm 0.0)
+    ("dense-tied", [*DENSE_8192, "--prism-override", "model.tie_embeddings=true"], 8191, "last"),
     ("moe", MOE_8192, 0, "first"),
     ("moe", MOE_8192, 4100, "middle"),
     ("moe", MOE_8192, 8191, "last"),

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from prism_megatron.comm.backend import register_prism_backend
 from prism_megatron.comm.session import VirtualSession
 from prism_megatron.config.schema import ConfigError, PrismConfig
-from prism_megatron.hooks.megatron import make_initialize_model_parallel
+from prism_megatron.hooks.megatron import make_initialize_model_parallel, make_setup_embeddings
 from prism_megatron.hooks.schedules import ScheduleHooks
 from prism_megatron.hooks.torch_dist import (
     make_broadcast_object_list,
@@ -189,6 +189,10 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         return inst
     inst.patch(parallel_state, "initialize_model_parallel", make_initialize_model_parallel(
         parallel_state.initialize_model_parallel, session_of, cfg.emulation.gpus_per_node))
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    inst.patch(LanguageModule, "setup_embeddings_and_output_layer", make_setup_embeddings(
+        LanguageModule.setup_embeddings_and_output_layer, session_of, lambda: cfg.train.seed))
     return inst
 
 

@@ -1,4 +1,5 @@
-"""Thin wrapper on megatron-core's `parallel_state.initialize_model_parallel`.
+"""Thin wrappers on megatron-core: `parallel_state.initialize_model_parallel`, and the tied-embedding
+set-up of a last stage whose first stage is a ghost (`make_setup_embeddings`).
 
 The sizes megatron is asked for are the truth: from them we build the `VirtualWorld` (pure rank
 arithmetic through megatron's own `RankGenerator`) and hand it to the session, which labels every
@@ -8,9 +9,11 @@ against the VirtualWorld's, so a disagreement is an error at start-up, not a sil
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from prism_megatron.comm.session import VirtualSession
@@ -76,3 +79,51 @@ def check_groups(world: VirtualWorld, virtual_rank: int) -> None:
             raise RuntimeError(f"megatron built {dim} group {list(ranks)[:16]} for rank {virtual_rank} "
                                f"but the virtual world expects {list(expected)[:16]}; please report "
                                "this with the parallel sizes")
+
+
+def make_setup_embeddings(original: Callable, session_of: Callable[[], Optional[VirtualSession]],
+                          seed_of: Callable[[], int]) -> Callable:
+    """A replacement for `LanguageModule.setup_embeddings_and_output_layer` for tied embeddings.
+
+    With pipeline parallelism and tied embeddings, megatron zeroes the last stage's copy of the word
+    embeddings and all-reduces it with the first stage's over the embedding group, so both start
+    equal. When the first stage is a ghost, its contribution is the ghost policy's (mirror: the
+    last stage's own zeros), and the last stage would train with a zero output layer. So the copy is
+    initialised here as the first stage initialises its embedding: the model's embedding init method
+    on a fresh model-parallel RNG state (megatron's seed + 2718 + tensor-parallel rank; the first
+    stage draws its embedding first). That is exactly the first stage's weight when every stage
+    seeds megatron with the same seed (megatron-core's examples and ours); under Megatron-LM's
+    per-stage seed offset it is a different draw of the same distribution."""
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        session = session_of()
+        tied = getattr(self, "share_embeddings_and_output_weights", False)
+        if session is None or not tied or self.pre_process or not self.post_process:
+            return result
+        if self.config.pipeline_model_parallel_size == 1 or not self._is_in_embd_group():
+            return result
+        from megatron.core import parallel_state
+
+        embd = parallel_state.get_embedding_group()
+        members = [dist.get_global_rank(embd, i) for i in range(embd.size())]
+        first = members[0]
+        if session.physical.physical_of(first) is not None:
+            return result  # a real first stage sent its embedding
+        _init_like_first_stage(self, seed_of())
+        return result
+
+    return setup_embeddings_and_output_layer
+
+
+def _init_like_first_stage(model: Any, seed: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    weight = model.shared_embedding_or_output_weight()
+    init = getattr(model.config, "embedding_init_method", None) or model.config.init_method
+    tracker = CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    with torch.no_grad(), tracker.fork("model-parallel-rng"):
+        init(weight.data)
