@@ -8,12 +8,17 @@ import tempfile
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the whole new one, never half."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the whole new one, never half."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         umask = os.umask(0)

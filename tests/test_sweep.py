@@ -67,4 +67,10 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_points(tmp_path):
     invalid = [r for r in rows if r["status"].startswith("invalid")]
     assert len(invalid) == 2 and all("parallel.pp(3)" in r["status"] for r in invalid)
     assert "best:" in second.stdout and "rank  tokens/s/GPU" in second.stdout
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out / "results.parquet").to_pylist()  # the same rows, typed
+    assert [r["point"] for r in table] == [r["point"] for r in rows]
+    assert all(isinstance(r["tokens_per_s_per_gpu"], float) and isinstance(r["oom"], bool)
+               for r in table if r["status"] == "ok")
     assert read_png_size(str(out / "ranking.png"))[0] > 0

@@ -5,8 +5,9 @@ Overrides use Hydra's multirun grammar (Hydra's own parser): `parallel.tp=2,4,8`
 that look like calls (`moe.imbalance='zipf(1.2)'`). The points are the cartesian product, in the order
 given. Each point is validated first (an invalid combination is recorded with the reason and not
 run), then captured (slices; `<out>/points/<id>/capture`) and simulated on the cluster; its row goes
-to `<out>/results.csv`, rewritten atomically after every point, so a killed sweep loses nothing and a
-rerun skips every point already there. At the end: the table ranked by tokens/s/GPU (OOM points
+to `<out>/results.csv` and `<out>/results.parquet` (typed columns, for pandas/polars/duckdb), both
+rewritten atomically after every point, so a killed sweep loses nothing and a rerun skips every
+point already there (the CSV is what a rerun reads). At the end: the table ranked by tokens/s/GPU (OOM points
 last), the best config, and `ranking.png` (one bar per point, tokens/s/GPU, OOM points red).
 
 Local parallel execution runs `--jobs` points at once in threads (each point's capture is its own
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from prism_megatron.config.schema import ConfigError
-from prism_megatron.util import atomic_write_text
+from prism_megatron.util import atomic_write_bytes, atomic_write_text
 
 COLUMNS = ("point", "overrides", "status", "iteration_time_s", "tokens_per_s_per_gpu", "mfu",
            "max_peak_bytes", "oom", "wall_s")
@@ -143,6 +144,30 @@ def write_results(path: Path, rows: list[dict]) -> None:
     for r in rows:
         writer.writerow({k: r.get(k, "") for k in COLUMNS})
     atomic_write_text(str(path), buf.getvalue())
+    write_parquet(path.with_suffix(".parquet"), rows)
+
+
+# results.parquet column types (the CSV's strings, typed; empty -> null)
+_TYPES = {"iteration_time_s": float, "tokens_per_s_per_gpu": float, "mfu": float, "max_peak_bytes": int,
+          "oom": lambda v: str(v) in ("True", "true", "1"), "wall_s": float}
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def typed(key: str, value):
+        if value in ("", None):
+            return None
+        return _TYPES.get(key, str)(value)
+
+    columns = {k: [typed(k, r.get(k)) for r in rows] for k in COLUMNS}
+    kinds = {k: pa.float64() for k in ("iteration_time_s", "tokens_per_s_per_gpu", "mfu", "wall_s")}
+    kinds.update(max_peak_bytes=pa.int64(), oom=pa.bool_())
+    table = pa.table({k: pa.array(v, type=kinds.get(k, pa.string())) for k, v in columns.items()})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(str(path), sink.getvalue().to_pybytes())
 
 
 def ranked(rows: list[dict]) -> list[dict]:
