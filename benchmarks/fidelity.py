@@ -9,8 +9,8 @@ the real and emulated peak allocated memory of the sandbox rank and their error.
 Real iteration time: per run, the median over iterations after `--warmup` of the slowest rank's
 iteration time (the example times each iteration from zero_grad to after the optimizer step and a
 device synchronize); the real figure is the median of the runs, the spread (max - min) / median. A
-config routed by a seeded imbalance model draws its loads per iteration, so there the real figure is
-the slowest rank's time in the iteration the emulation timed (same loads), not a median over them.
+config routed by an imbalance model whose loads differ per iteration (uniform draws, a replayed log,
+drift) compares the slowest rank's time in the iteration the emulation timed (same loads) instead.
 Emulated: the DES iteration time of the job with the sandbox's recorded iteration in its rank's place
 (on GPU measured paced: emulate/run.py). `--realtime`: the last emulation of a config also runs with
 the computed waits injected, and its wall clock is reported against the virtual figure.
@@ -146,9 +146,15 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
 
 
 def _routing_varies(name: str) -> bool:
-    """The config routes MoE tokens by a seeded model drawn per iteration: iterations differ in load,
-    so the real figure is the same iteration's, not the median over iterations."""
-    return any(o.startswith("moe.imbalance=") for o in CONFIGS[name][1])
+    """The config routes MoE tokens by a model whose counts differ per iteration (uniform draws, a
+    replayed log, drift): iterations differ in load, so the real figure is the same iteration's, not
+    the median over iterations."""
+    from prism_megatron.moe.imbalance import Imbalance
+
+    overrides = dict(o.split("=", 1) for o in CONFIGS[name][1])
+    spec = overrides.get("moe.imbalance", "none")
+    drift = float(overrides.get("moe.drift_per_iteration", 0))
+    return spec != "none" and Imbalance.parse(spec, drift_per_iteration=drift).varies_per_iteration
 
 
 def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> None:

@@ -344,3 +344,17 @@ def test_injected_waits_belong_to_no_node_at_the_issue_or_at_the_wait():
     sync = names.index("all_reduce")
     assert cols["duration_s"][sync] == pytest.approx(1e-3)  # the call itself
     assert cols["start_s"][sync + 1] == pytest.approx(cols["start_s"][sync] + 1e-3 + 0.5 + 1e-3)
+
+
+def test_median_selection_takes_the_timed_iteration_of_median_length():
+    clock = StepClock()
+    rec = Recorder(clock, lambda: 0, two_pass=True)
+    assert rec.median_iteration() is None
+    # iterations 0..6: labelled 0, 2, 4, 6; timed 1, 3, 5 (full, after the first), 6 is the last
+    for step in (1e-3, 3e-3, 1e-3, 1e-3, 1e-3, 2e-3, 1e-3):
+        clock.step = step
+        _layer_iteration(rec)
+    # a timed iteration's length: its marks at its own step, the next iteration's begin at the next's
+    assert rec.median_iteration() == 5  # lengths: 1 -> 3 ms steps, 3 -> 1 ms, 5 -> 2 ms
+    _built(rec, iteration=5)
+    assert rec.built["timed_iteration"] == 6 and rec.built["labelled_iteration"] in (5, 7)

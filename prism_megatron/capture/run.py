@@ -163,7 +163,8 @@ class Capture:
                               "use a checkout installed with `pip install -e .`")
         config = self.out / "config.yaml"
         return [sys.executable, str(self.script), "--prism-config", str(config),
-                "--prism-sandbox-ranks", str(s.rank), "--prism-trace-path", str(s.path)]
+                "--prism-sandbox-ranks", str(s.rank), "--prism-trace-path", str(s.path),
+                "--prism-trace-selection", "median"]
 
     def _env(self, slot: int) -> dict:
         env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -304,11 +305,13 @@ class Capture:
 
 
 def _job_key(config_yaml: str) -> Optional[dict]:
-    """A slice's config without what differs between slices (its rank, its trace path)."""
+    """A slice's config without what differs between slices (its rank, its trace path) or does not
+    change the job (which recorded iteration becomes the graph)."""
     try:
         data = yaml.safe_load(config_yaml)
         data["emulation"].pop("sandbox_ranks", None)
         data["trace"].pop("path", None)
+        data["trace"].pop("selection", None)
     except (yaml.YAMLError, TypeError, KeyError, AttributeError):
         return None
     return data

@@ -29,7 +29,7 @@ PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_see
                "delay_plan")
 _STR_FLAGS = ("ghost_policy", "clock", "delay_plan")
 # --prism-trace-<name> -> trace.<field>
-TRACE_FLAGS = {"path": str, "granularity": str, "timing": str, "iteration": int}
+TRACE_FLAGS = {"path": str, "granularity": str, "timing": str, "selection": str, "iteration": int}
 # --prism-moe-<name> -> moe.<field>
 MOE_FLAGS = {"imbalance": str, "drift_per_iteration": float, "seed": int, "log_path": str}
 

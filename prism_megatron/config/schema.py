@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "aten")
 TIMINGS = ("two-pass", "single-pass")
+SELECTIONS = ("last", "median")
 
 
 class ConfigError(ValueError):
@@ -263,7 +264,15 @@ class TraceConfig:
     from its forward_backward_func call to the next one's, so the second-to-last when the run has more
     than one). Memory peaks span the run."""
 
+    selection: str = "last"
+    """With iteration=-1, which iteration becomes the graph: the last full one (every rank of a
+    multi-process recording takes the same one), or `median`: the timed iteration of median length
+    among the full ones after the first (a steadier figure for one process: capture slices and
+    emulation sandboxes use it; falls back to the last full one when there is no choice)."""
+
     def __post_init__(self) -> None:
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"trace.selection={self.selection!r}; expected one of {', '.join(SELECTIONS)}")
         if self.granularity not in GRANULARITIES:
             raise ConfigError(f"trace.granularity={self.granularity!r}; expected one of "
                               f"{', '.join(GRANULARITIES)}")

@@ -119,6 +119,11 @@ class Imbalance:
         shares = self.shares(experts, layer=layer, iteration=iteration, source=source)
         return apportion(shares, total, cap=tokens)
 
+    @property
+    def varies_per_iteration(self) -> bool:
+        """Whether the counts differ between iterations (a fresh draw, a replayed log, or drift)."""
+        return self.kind in ("uniform", "replay") or self.drift_per_iteration > 0
+
     def shares(self, experts: int, *, layer: int, iteration: int = 0, source: int = 0) -> np.ndarray:
         """The expected share of each expert (sums to 1) for the share-based models."""
         if self.kind == "zipf":

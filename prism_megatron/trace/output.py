@@ -74,8 +74,11 @@ def write_role_graph(inst: Any) -> str:
     role = session.world.role(rank)
     path = per_rank_path(cfg.trace.path, rank)
     strings = StringTable()
+    median = inst.recorder.median_iteration() if cfg.trace.selection == "median" else None
     if cfg.trace.iteration > 0:
         iteration = cfg.trace.iteration - 1
+    elif median is not None:
+        iteration = median
     else:  # the last full period: an iteration runs to the next one's start (zero_grad included)
         iteration = -2 if len(inst.recorder.iterations) >= 2 else -1
     graph = inst.recorder.build(role, rank, strings, iteration=iteration, **memory_figures(inst))

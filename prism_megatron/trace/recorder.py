@@ -363,6 +363,17 @@ class Recorder:
         return b.build(mem_t_s=mem_t, mem_bytes=np.asarray([x[1] for x in it.mem], dtype="i8"),
                        **memory)
 
+    def median_iteration(self) -> Optional[int]:
+        """The timed iteration (python index) of median length among the full ones after the first
+        (not the last, which has no end); None when there are fewer than two to choose from."""
+        its = self.iterations
+        candidates = [k for k in range(1, len(its) - 1) if not (self.two_pass and its[k].labelled)]
+        if len(candidates) < 2:
+            return None
+        spans = {k: float(self.clock.seconds([its[k].marks[-1]], its[k].marks[0])[0]) for k in candidates}
+        ordered = sorted(candidates, key=lambda k: spans[k])
+        return ordered[(len(ordered) - 1) // 2]
+
     def _pair(self, k: int) -> tuple[int, int]:
         """(timed, labelled) iteration indices for building iteration `k`."""
         its = self.iterations
