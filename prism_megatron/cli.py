@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("emulate", "run sandbox ranks for real, the other ranks replayed from the graph"),
                        ("run", "capture (if not cached), simulate and emulate a config"),
                        ("moe-check", "predict every EP rank's peak memory under an MoE imbalance model"),
-                       ("sweep", "capture and simulate every point of a config-override sweep, resumably")):
+                       ("sweep", "capture and simulate every point of a config-override sweep, resumably"),
+                       ("report", "write an HTML page and a Markdown summary of a run or emulation")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -124,6 +125,11 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--capacity", default=None,
                              help="device memory per GPU, e.g. 80GiB (default: the cluster's GPU memory)")
             cmd.add_argument("--json", default=None, help="write the verdict JSON here too")
+            continue
+        if name == "report":
+            cmd.add_argument("run_dir", help="the --out directory of `run` or `emulate`")
+            cmd.add_argument("--out", default=None, help="where report.html and report.md go (default: "
+                                                         "beside the run's summary)")
             continue
         if name == "export":
             cmd.add_argument("graph", help="graph file written by `capture`")
@@ -394,6 +400,14 @@ def _critical_summary(path: list) -> dict:
     return {"nodes": len(path), "seconds_by_kind": share}
 
 
+def _cmd_report(args) -> int:
+    from prism_megatron.report import write_report
+
+    page, text = write_report(args.run_dir, args.out)
+    print(f"report: {page}\nsummary: {text}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     # megatron-core warns on import that TE/Apex are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -413,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
                 "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate,
                 "calibrate": _cmd_calibrate, "emulate": _cmd_emulate, "run": _cmd_run,
-                "moe-check": _cmd_moe_check, "sweep": _cmd_sweep}
+                "moe-check": _cmd_moe_check, "sweep": _cmd_sweep, "report": _cmd_report}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:

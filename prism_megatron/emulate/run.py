@@ -114,7 +114,7 @@ class Emulation:
                          "peak_allocated_bytes": int(measured[r].peak_bytes),
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
                          "memory_source": measured[r].memory_source, **overhead[r]} for r in ranks],
-            "wall_s": round(time.perf_counter() - start, 2)}
+            "wall_s": round(time.perf_counter() - start, 2), "graph_path": str(self.graph_path)}
         if self.clock == "realtime":
             summary["clock"] = "realtime"
             self._realtime(text, ranks, out, result, rank_graphs, summary)
