@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("run", "capture (if not cached), simulate and emulate a config"),
                        ("moe-check", "predict every EP rank's peak memory under an MoE imbalance model"),
                        ("sweep", "capture and simulate every point of a config-override sweep, resumably"),
-                       ("report", "write an HTML page and a Markdown summary of a run or emulation")):
+                       ("report", "write an HTML page and a Markdown summary of a run or emulation"),
+                       ("launch", "run an unmodified training script (Megatron-LM's pretrain_gpt.py) with "
+                                  "the hooks installed: launch [--nproc-per-node P] -- SCRIPT ARGS")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -409,6 +411,11 @@ def _cmd_report(args) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # everything after it belongs to the launcher and the script
+        from prism_megatron.launch import main as launch_main
+
+        return launch_main(argv[1:])
     # megatron-core warns on import that TE/Apex are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     if hasattr(signal, "SIGPIPE"):  # `prism-megatron config --keys | head` ends quietly

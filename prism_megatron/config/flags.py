@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
+import os
 from dataclasses import fields
 from functools import lru_cache
 from typing import Optional
@@ -91,7 +93,24 @@ def _field(key: str):
 
 
 def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the `--prism-*` flags (Megatron-LM `extra_args_provider` signature)."""
+    """Add the `--prism-*` flags (Megatron-LM `extra_args_provider` signature).
+
+    Under `prism-megatron launch` their defaults are the launch's `--prism-*` arguments (in the
+    environment), so a script that reads them itself sees what the launch was given."""
+    _add_prism_group(parser)
+    launched = os.environ.get(LAUNCH_ENV)
+    if launched:
+        given = _add_prism_group(OneLineParser(prog="prism-megatron launch", allow_abbrev=False,
+                                               add_help=False))
+        values, _ = given.parse_known_args(json.loads(launched))
+        parser.set_defaults(**{k: v for k, v in vars(values).items() if v not in (None, [])})
+    return parser
+
+
+LAUNCH_ENV = "PRISM_MEGATRON_LAUNCH_ARGS"
+
+
+def _add_prism_group(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("prism", "virtual world emulation (prism_megatron)")
     for name in PRISM_FLAGS:
         f, doc = _field(f"emulation.{name}")

@@ -90,6 +90,7 @@ class Installation:
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _handles: list = field(default_factory=list, repr=False)
     _exits: list = field(default_factory=list, repr=False)
+    _uninstalled: bool = field(default=False, repr=False)
 
     @property
     def virtual(self) -> bool:
@@ -118,6 +119,9 @@ class Installation:
         return self.trace_written
 
     def uninstall(self) -> None:
+        if self._uninstalled:  # a launched script's own uninstall, then the launcher's
+            return
+        self._uninstalled = True
         try:
             self.write_trace()
         finally:
@@ -132,11 +136,25 @@ class Installation:
                 self.runtime.deactivate()
 
 
+_LAUNCHED: list[Installation] = []  # the one installation `prism-megatron launch` made, if any
+
+
+def set_launched(inst: Optional[Installation]) -> None:
+    """`prism-megatron launch` installed `inst` for the script it runs (None: the script ended)."""
+    _LAUNCHED.clear()
+    if inst is not None:
+        _LAUNCHED.append(inst)
+
+
 def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Installation:
     """Install the hooks for `cfg`; call before `torch.distributed.init_process_group`.
 
     `recorder`: with `trace.path` set, record into this Recorder instead of a default one (a
-    subclass can watch every boundary, e.g. to place profiler markers)."""
+    subclass can watch every boundary, e.g. to place profiler markers). Under `prism-megatron
+    launch` the hooks are already installed from the launch's arguments: that installation is
+    returned (the script's own config reads the same arguments, prism_megatron/launch.py)."""
+    if _LAUNCHED:
+        return _LAUNCHED[0]
     device = resolve_device(cfg)
     if cfg.trace.path and cfg.emulation.virtual_world_size is None:
         cfg.emulation.virtual_world_size = int(os.environ.get("WORLD_SIZE", "1"))
