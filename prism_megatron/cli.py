@@ -132,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("run_dir", help="the --out directory of `run` or `emulate`")
             cmd.add_argument("--out", default=None, help="where report.html and report.md go (default: "
                                                          "beside the run's summary)")
+            cmd.add_argument("--json", default=None, help="write the report's paths and headline here too")
             continue
         if name == "export":
             cmd.add_argument("graph", help="graph file written by `capture`")
@@ -403,10 +404,14 @@ def _critical_summary(path: list) -> dict:
 
 
 def _cmd_report(args) -> int:
-    from prism_megatron.report import write_report
+    from prism_megatron.report import load_report, write_report
+    from prism_megatron.report.page import headline
 
     page, text = write_report(args.run_dir, args.out)
     print(f"report: {page}\nsummary: {text}")
+    if args.json:
+        rows = [{"figure": a, "value": b, "from": c} for a, b, c in headline(load_report(args.run_dir))]
+        atomic_write_text(args.json, json.dumps({"html": page, "markdown": text, "headline": rows}, indent=1))
     return 0
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ def reported(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     proc = _cli("run", *JOB, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _cli("report", str(out))
+    proc = _cli("report", str(out), "--json", str(out / "report.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -47,6 +50,9 @@ def test_the_page_holds_every_chart_and_says_where_each_figure_came_from(reporte
     assert "<script" not in page and "http" not in page.replace("http://www.w3.org/2000/svg", "")
     link = re.search(r'id="perfetto-link" href="([^"]+)"', page).group(1)
     assert (reported / link).is_file()
+    summary = json.loads((reported / "report.json").read_text())
+    assert Path(summary["html"]).is_file() and {r["from"] for r in summary["headline"]} >= {
+        "measured", "modelled", "captured", "config"}
     text = (reported / "report.md").read_text()
     assert "| job iteration time |" in text and "| modelled |" in text and "| measured |" in text
 
@@ -64,6 +70,61 @@ def test_headless_chromium_renders_the_charts(reported):
     for chart in ("memory-chart", "moe-heatmap", "pipeline-timeline"):
         assert re.search(rf'<svg[^>]*id="{chart}"', dom), chart
     assert len(re.findall(r'<rect class="bar"', dom)) == 8
+
+
+def _png_pixels(path: Path) -> tuple[int, int, int, bytes]:
+    """(width, height, bytes per pixel, unfiltered rows) of an 8-bit RGB/RGBA PNG."""
+    data = path.read_bytes()
+    pos, idat, width = 8, b"", 0
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and colour in (2, 6)
+            bpp = 3 if colour == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw, stride, out, prev = zlib.decompress(idat), width * bpp, bytearray(), bytearray(width * bpp)
+    for y in range(height):
+        kind, row = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = row[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                row[i] = (row[i] + a) & 255
+            elif kind == 2:
+                row[i] = (row[i] + b) & 255
+            elif kind == 3:
+                row[i] = (row[i] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                row[i] = (row[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        out += row
+        prev = row
+    return width, height, bpp, bytes(out)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed here (CI installs it)")
+def test_a_screenshot_shows_the_charts(reported):
+    """The page as Chromium paints it: the memory chart's bars (teal, the sandbox red) and the
+    timeline's forward (blue) and backward (orange) spans are on screen."""
+    shot = reported / "report.png"
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={reported / 'chromium-shot'}", "--window-size=900,1300", "--hide-scrollbars",
+         f"--screenshot={shot}", (reported / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+    width, height, bpp, pixels = _png_pixels(shot)
+    assert (width, height) == (900, 1300)
+    seen = {pixels[i:i + 3] for i in range(0, len(pixels), bpp)}
+    for name, rgb in (("bars", (0x21, 0x91, 0x8C)), ("sandbox bar", (0xD1, 0x49, 0x5B)),
+                      ("forward spans", (0x3B, 0x75, 0xAF)), ("backward spans", (0xEF, 0x86, 0x36))):
+        assert bytes(rgb) in seen, name
 
 
 def test_a_directory_without_a_run_is_one_line_and_exit_2(tmp_path):
