@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("sweep", "capture and simulate every point of a config-override sweep, resumably"),
                        ("report", "write an HTML page and a Markdown summary of a run or emulation"),
                        ("launch", "run an unmodified training script (Megatron-LM's pretrain_gpt.py) with "
-                                  "the hooks installed: launch [--nproc-per-node P] -- SCRIPT ARGS")):
+                                  "the hooks installed: launch [--nproc-per-node P] -- SCRIPT ARGS"),
+                       ("validate", "the fidelity harness: real runs against their emulation, side by side "
+                                    "(benchmarks/fidelity.py; its flags follow)")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -403,6 +405,18 @@ def _critical_summary(path: list) -> dict:
     return {"nodes": len(path), "seconds_by_kind": share}
 
 
+def _validate(argv: list[str]) -> int:
+    """`prism-megatron validate ...`: benchmarks/fidelity.py of this checkout, with these flags."""
+    import subprocess
+
+    harness = REPO / "benchmarks" / "fidelity.py"
+    if not harness.is_file():
+        print(f"prism-megatron: error: {harness} not found; validate runs the repository's fidelity "
+              "harness, so use a checkout installed with `pip install -e .`", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(harness), *argv], cwd=str(REPO))
+
+
 def _cmd_report(args) -> int:
     from prism_megatron.report import load_report, write_report
     from prism_megatron.report.page import headline
@@ -421,6 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from prism_megatron.launch import main as launch_main
 
         return launch_main(argv[1:])
+    if argv[:1] == ["validate"]:  # the harness parses its own flags
+        return _validate(argv[1:])
     # megatron-core warns on import that TE/Apex are absent; the local fallbacks are what we use.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     if hasattr(signal, "SIGPIPE"):  # `prism-megatron config --keys | head` ends quietly

@@ -77,3 +77,13 @@ def test_waits_hold_a_synchronous_operation_at_its_issue_and_an_overlapped_one_a
     assert at_issue == pytest.approx([0.4, 0.0])  # 0.5 s held, less the call's own 0.1 s
     assert at_wait == pytest.approx([0.0, 0.5])   # ends 0.5 s after d, which e also waits for
     assert (sync, late, e) == (1, 3, 5)
+
+
+def test_validate_is_the_fidelity_harness():
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "validate", "--list"],
+                          capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and {"tp2", "pp2_1f1b", "dp2_distopt_overlap", "moe_ep2"} <= {
+        line.split(":")[0] for line in proc.stdout.splitlines()}
+    bad = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "validate", "--configs", "nope"],
+                         capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
