@@ -358,3 +358,34 @@ def test_median_selection_takes_the_timed_iteration_of_median_length():
     assert rec.median_iteration() == 5  # lengths: 1 -> 3 ms steps, 3 -> 1 ms, 5 -> 2 ms
     _built(rec, iteration=5)
     assert rec.built["timed_iteration"] == 6 and rec.built["labelled_iteration"] in (5, 7)
+
+
+def test_a_coalesced_work_covers_every_operation_it_ran():
+    """torch's _coalescing_manager (megatron's bucketed grad reduce-scatter): several operations, one
+    Work. Waiting for it makes the next segment depend on all of them, and each keeps its own ordinal
+    for injected waits."""
+    rec = Recorder(FakeClock(), lambda: 0)
+    rec.inject_delays([0.0, 0.0, 0.0], at_wait=[0.25, 0.5, 0.0])
+    rec.begin_iteration()
+    rec.enter("backward")
+    for group in ("dp0", "dp0"):
+        rec.comm_begin(op="reduce_scatter", dim="dp", group=group, nbytes=64, dtype="float32",
+                       peer_delta=None)
+    work = FakeWork()
+    rec.comm_issued(work)
+    rec.enter("more.backward")  # overlapped
+    rec.exit()
+    rec.wait_end(rec.wait_begin(work))
+    rec.exit()
+    rec.enter("optimizer.step")
+    rec.exit()
+    g, names, _ = _built(rec)
+    comms = [i for i, k in enumerate(g.columns["kind"].tolist()) if k == NodeKind.COMM]
+    assert len(comms) == 2
+    waiting = [i for i in range(g.num_nodes) if set(comms) & set(g.deps(i).tolist())
+               and g.columns["kind"][i] == NodeKind.COMPUTE]
+    assert len(waiting) == 1 and set(comms) <= set(g.deps(waiting[0]).tolist())
+    assert waiting[0] > names.index("more.backward")  # the segment after the wait, not the overlap
+    cols = g.columns
+    end = float((cols["start_s"] + cols["duration_s"]).max())
+    assert float(cols["duration_s"].sum()) == pytest.approx(end - 0.75 - 1e-3)  # both stalls, one gap

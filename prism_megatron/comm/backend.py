@@ -151,6 +151,7 @@ class PrismGroup(dist.ProcessGroup):
                                                  gen_factory=self._gen(t.device, seq, i))
         return done(tensors)
 
+    @operation
     def allreduce_coalesced(self, tensors, opts=None):
         opts_single = dist.AllreduceOptions()
         opts_single.reduceOp = (opts or dist.AllreduceCoalescedOptions()).reduceOp
@@ -193,6 +194,7 @@ class PrismGroup(dist.ProcessGroup):
             self._reduce_scatter_one(output, list(input.chunk(self.n)), op, seq, 0)
         return done([output])
 
+    @operation
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             self._reduce_scatter_base(out, inp, opts)
@@ -252,11 +254,13 @@ class PrismGroup(dist.ProcessGroup):
         self._fill_ghosts(slots, seq, "all_gather", skip=provided)
         return done([output])
 
+    @operation
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         for outs, inp in zip(output_lists, input_list):
             self.allgather([outs], [inp], opts)
         return done(output_lists)
 
+    @operation
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for out, inp in zip(outputs, inputs):
             self._allgather_base(out, inp, opts)

@@ -46,6 +46,8 @@ class CommLog:
     issue_listeners: list[Callable[[object], None]] = field(default_factory=list)
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    depth: int = 0
+    """Operations of this log now running (a coalesced one runs single ones inside)."""
     host_s: float = 0.0
     """Host time spent inside the backend's operations (ghost folding, logging, and any real
     exchange between sandboxes), for the emulator's overhead figure."""
@@ -60,7 +62,8 @@ class CommLog:
             listener(event)
 
     def issued(self, work: object) -> None:
-        """The operation begun last on this thread returned `work` (a completed one if synchronous)."""
+        """The operations begun since the last announcement returned `work` (one operation, or the
+        operations of a coalesced call; a completed Work if synchronous)."""
         for listener in self.issue_listeners:
             listener(work)
 

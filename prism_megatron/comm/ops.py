@@ -26,15 +26,23 @@ def operation(method):
     CPU memory tracker) see gloo's internal scratch tensors, which a plain run never shows. The
     ghost fills are in place, so nothing a real rank would allocate is hidden. The returned `Work` is
     announced to the session's log (`CommLog.issued`), which is how the recorder learns that an
-    operation's host-side part is over and which work a later `wait()` completes.
+    operation's host-side part is over and which work a later `wait()` completes. A coalesced
+    operation (a loop over single ones, as torch's `_coalescing_manager` calls it) announces its one
+    Work once, for all the operations it ran: waiting for it waits for every one of them.
     """
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        start = time.perf_counter()
-        with torch.no_grad(), _suspended_dispatch_modes():
-            work = method(self, *args, **kwargs)
         log = self.session.log
+        if log.depth:  # inside a coalesced operation: the outer one announces its Work for all
+            return method(self, *args, **kwargs)
+        start = time.perf_counter()
+        log.depth += 1
+        try:
+            with torch.no_grad(), _suspended_dispatch_modes():
+                work = method(self, *args, **kwargs)
+        finally:
+            log.depth -= 1
         log.issued(work)
         log.host_s += time.perf_counter() - start
         return work

@@ -62,6 +62,7 @@ class _Node:
     nbytes: int = 0
     dtype: str = ""
     peer_delta: Optional[int] = None
+    ordinal: int = -1  # the k-th communication operation of its iteration (injected waits)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Recorder:
         self._wait_delays: Sequence[float] = ()
         self._comm_ordinal = 0
         self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
+        self._unissued: list[tuple[_Iteration, int]] = []  # comm nodes begun, their Work not yet returned
         self._lock = threading.RLock()
         self.setup = _Iteration(labelled=True)
         self.iterations: list[_Iteration] = []
@@ -123,7 +125,7 @@ class Recorder:
         self._open_spans: list[tuple] = []
         self._pending: dict[str, list[int]] = {}  # stream -> deps of its next compute node
         self._events: dict[int, tuple[_Iteration, int]] = {}  # id(device event) -> node it marks
-        self._works: dict[int, tuple[Any, _Iteration, int]] = {}
+        self._works: dict[int, tuple] = {}  # id(Work) -> (Work, iteration, its nodes, their ordinals)
 
     @property
     def labelling(self) -> bool:
@@ -223,54 +225,65 @@ class Recorder:
             it, stream = self._cur, f"comm.{dim}"
             deps = [it.last[s] for s in (self.clock.stream(), stream) if s in it.last]
             it.last[stream] = len(it.nodes)
+            ordinal = -1
+            if it is not self.setup:
+                ordinal, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
+            if self._unissued and self._unissued[0][0] is not it:
+                self._unissued = []
+            self._unissued.append((it, len(it.nodes)))
             it.nodes.append(_Node(NodeKind.COMM, op, stream, now, None, deps, op=op, dim=dim,
-                                  group=group, nbytes=nbytes, dtype=dtype, peer_delta=peer_delta))
+                                  group=group, nbytes=nbytes, dtype=dtype, peer_delta=peer_delta,
+                                  ordinal=ordinal))
 
     def comm_issued(self, work: Any) -> None:
-        """The backend returned `work` for the operation begun last; its time so far was the op's."""
+        """The backend returned `work` for the operations begun since its last return (one, or
+        those of a coalesced call); their time so far was theirs (the last one's end is now)."""
         with self._lock:
             it = self._cur
-            node = it.nodes[-1] if it.nodes else None
-            if node is None or node.kind != NodeKind.COMM or node.t1 is not None:
+            group = [i for owner, i in self._unissued if owner is it]
+            self._unissued = []
+            if not group:
                 return
             now = it.add(self.clock.mark(), "issued")
-            node.t1 = now
+            it.nodes[group[-1]].t1 = now
             self._seg_start = now
-            k = -1
+            ordinals = [it.nodes[i].ordinal for i in group]
             if self._delays is not None and it is not self.setup:
-                k, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
-                if k < len(self._delays) and self._delays[k] > 0:
+                held = sum(self._delays[k] for k in ordinals if 0 <= k < len(self._delays))
+                if held > 0:
                     # the injected wait belongs to no node, as a blocked wait does not: the replay
                     # computes it; the operation's own (local) part is what ran before it
-                    self.clock.delay(self._delays[k])
+                    self.clock.delay(held)
                     self._seg_start = it.add(self.clock.mark(), "delayed")
             self._after_issue = self._seg_start
-            if self.blocking and node.peer_delta is None:  # the call returned when the op was done
-                self._pending.setdefault(self.clock.stream(), []).append(len(it.nodes) - 1)
+            if self.blocking:  # the call returned when the operations were done
+                self._pending.setdefault(self.clock.stream(), []).extend(
+                    i for i in group if it.nodes[i].peer_delta is None)
             if work is not None:
-                self._works[id(work)] = (work, it, len(it.nodes) - 1, k)
+                self._works[id(work)] = (work, it, group, ordinals)
 
-    def wait_begin(self, work: Any) -> Optional[tuple[_Iteration, int, bool, int]]:
+    def wait_begin(self, work: Any) -> Optional[tuple]:
         with self._lock:
             entry = self._works.pop(id(work), None)
             if entry is None:
                 return None
-            _, it, index, ordinal = entry
+            _, it, group, ordinals = entry
             # Waited right after its issue (a synchronous call): nothing ran in between, so no node
             # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
-            at_once = it is self._cur and index == len(it.nodes) - 1 and self._seg_start == self._after_issue
+            at_once = (it is self._cur and group[-1] == len(it.nodes) - 1
+                       and self._seg_start == self._after_issue)
             if not at_once:
                 self._cut(anchor="wait")  # what ran since the issue (overlapped work)
-            return it, index, at_once, ordinal
+            return it, group, at_once, ordinals
 
-    def wait_end(self, entry: Optional[tuple[_Iteration, int, bool, int]]) -> None:
+    def wait_end(self, entry: Optional[tuple]) -> None:
         if entry is None:
             return
         with self._lock:
-            it, index, at_once, ordinal = entry
+            it, group, at_once, ordinals = entry
             if it is self._cur:
-                self._pending.setdefault(self.clock.stream(), []).append(index)
-            stall = self._wait_delays[ordinal] if 0 <= ordinal < len(self._wait_delays) else 0.0
+                self._pending.setdefault(self.clock.stream(), []).extend(group)
+            stall = sum(self._wait_delays[k] for k in ordinals if 0 <= k < len(self._wait_delays))
             if stall > 0 and it is self._cur:  # the replay's stream waits here: belongs to no node
                 self.clock.delay(stall)
             elif at_once:
