@@ -418,13 +418,13 @@ def _validate(argv: list[str]) -> int:
 
 
 def _cmd_report(args) -> int:
-    from prism_megatron.report import load_report, write_report
+    from prism_megatron.report import write_report
     from prism_megatron.report.page import headline
 
-    page, text = write_report(args.run_dir, args.out)
+    page, text, data = write_report(args.run_dir, args.out)
     print(f"report: {page}\nsummary: {text}")
     if args.json:
-        rows = [{"figure": a, "value": b, "from": c} for a, b, c in headline(load_report(args.run_dir))]
+        rows = [{"figure": a, "value": b, "from": c} for a, b, c in headline(data)]
         atomic_write_text(args.json, json.dumps({"html": page, "markdown": text, "headline": rows}, indent=1))
     return 0
 

@@ -28,7 +28,10 @@ from typing import Callable, Optional
 
 
 def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
-    """(parsed prism and known Megatron flags, the `--prism-*` tokens, the script's own tokens)."""
+    """(parsed prism and known Megatron flags, the `--prism-*` tokens, the script's own tokens).
+
+    The `--prism-*` options and their values are taken out by the parser's own table of options
+    (how many values each takes), in order; every other token stays, in order."""
     from prism_megatron.config.flags import (
         OneLineParser,
         add_megatron_args,
@@ -37,14 +40,24 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
 
     prism = OneLineParser(prog="prism-megatron launch", allow_abbrev=False, add_help=False)
     add_prism_args(prism)
-    _, rest = prism.parse_known_args(argv)
-    removed, i, kept = [], 0, list(rest)
-    # what parse_known_args consumed is the prism part, in order
-    for token in argv:
-        if kept and i < len(kept) and token == kept[i]:
+    actions = {opt: a for a in prism._actions for opt in a.option_strings}
+    removed, rest, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        action = actions.get(token.split("=", 1)[0])
+        if action is None:
+            rest.append(token)
             i += 1
-        else:
-            removed.append(token)
+            continue
+        taken = 1
+        if "=" not in token and action.nargs != 0:
+            if action.nargs in ("+", "*"):
+                while i + taken < len(argv) and not argv[i + taken].startswith("-"):
+                    taken += 1
+            else:
+                taken += 1 if action.nargs is None else int(action.nargs)
+        removed += argv[i:i + taken]
+        i += taken
     both = OneLineParser(prog="prism-megatron launch", allow_abbrev=False, add_help=False)
     add_megatron_args(add_prism_args(both))
     known, _ = both.parse_known_args(argv)

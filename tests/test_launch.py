@@ -91,3 +91,15 @@ def test_bad_launch_input_is_one_line_and_exit_2(args, message):
     proc = _launch(*args, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr
     assert proc.stderr.strip().count("\n") == 0
+
+
+def test_the_prism_flags_and_only_they_are_taken_out_of_the_script_arguments():
+    from prism_megatron.launch import split_args
+
+    argv = ["--num-layers", "2", "--prism-ghost-policy", "mirror", "mirror", "--prism-sandbox-ranks", "0",
+            "last-stage", "--lr", "0.1", "--prism-virtual-world-size=64", "--seq-length", "2"]
+    known, prism, rest = split_args(argv)
+    assert prism == ["--prism-ghost-policy", "mirror", "--prism-sandbox-ranks", "0", "last-stage",
+                     "--prism-virtual-world-size=64"]
+    assert rest == ["--num-layers", "2", "mirror", "--lr", "0.1", "--seq-length", "2"]
+    assert known.prism_virtual_world_size == 64 and known.prism_sandbox_ranks == ["0", "last-stage"]

@@ -46,12 +46,21 @@ class CommLog:
     issue_listeners: list[Callable[[object], None]] = field(default_factory=list)
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    depth: int = 0
-    """Operations of this log now running (a coalesced one runs single ones inside)."""
     host_s: float = 0.0
     """Host time spent inside the backend's operations (ghost folding, logging, and any real
     exchange between sandboxes), for the emulator's overhead figure."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _running: threading.local = field(default_factory=threading.local, repr=False)
+
+    @property
+    def depth(self) -> int:
+        """Operations of this log now running on this thread (a coalesced one runs single ones
+        inside; an autograd thread's collective is its own)."""
+        return getattr(self._running, "depth", 0)
+
+    @depth.setter
+    def depth(self, value: int) -> None:
+        self._running.depth = value
 
     def record(self, event: CommEvent) -> None:
         key = (event.op, event.dim)

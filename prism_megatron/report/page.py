@@ -264,11 +264,12 @@ def _relative(path: str, base: Path) -> str:
         return Path(path).resolve().as_uri()
 
 
-def write_report(run_dir: str, out_dir: Optional[str] = None) -> tuple[str, str]:
-    """Write report.html and report.md (atomically) next to the summary or in `out_dir`."""
+def write_report(run_dir: str, out_dir: Optional[str] = None) -> tuple[str, str, ReportData]:
+    """Write report.html and report.md (atomically) next to the summary or in `out_dir`; returns
+    their paths and what they show."""
     data = load_report(run_dir)
     out = Path(out_dir) if out_dir else data.source.parent
     page, text = out / "report.html", out / "report.md"
     atomic_write_text(str(page), render_html(data, out))
     atomic_write_text(str(text), render_markdown(data))
-    return str(page), str(text)
+    return str(page), str(text), data
