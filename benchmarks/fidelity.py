@@ -15,6 +15,12 @@ Emulated: the DES iteration time of the job with the sandbox's recorded iteratio
 (on GPU measured paced: emulate/run.py). `--realtime`: the last emulation of a config also runs with
 the computed waits injected, and its wall clock is reported against the virtual figure.
 
+`--diagnose` splits a config's error in two: it also runs the job with every rank a sandbox (N
+processes, real communication, the recorder on) and replays that. Its replay against the real time is
+the error of the communication model and the replay (the compute is the real job's own); the one
+sandbox's compute against that run's compute of the same rank is the error of running one rank alone;
+the op names whose total duration differs most are listed.
+
     python benchmarks/fidelity.py [--configs ...] [--device cpu|cuda] [--reps 3] [--json PATH] [--list]
 
 Writes benchmarks/results/fidelity-<machine>-<date>.json unless --json says otherwise.
@@ -119,6 +125,7 @@ def emulated_run(graph_path: str, sandbox: list[str], device: str, out: Path, cl
     rank = summary["sandbox"][0]["virtual_rank"]
     wall = json.loads((out / "sandbox" / f"summary{rank}.json").read_text())["iteration_times_ms"]
     summary["sandbox_wall_ms"] = [round(t, 3) for t in wall]  # its own loop, ghosts answering at once
+    summary["out_dir"] = str(out)
     return summary
 
 
@@ -139,10 +146,50 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
         clock = "realtime" if args.realtime and rep == args.reps - 1 else "virtual"
         emus.append(emulated_run(graph_path, sandbox, args.device, tmp / f"{name}-emu{rep}", cluster,
                                  calibration, clock))
+    if args.diagnose:
+        emus[0]["diagnosis"] = diagnose(graph_path, world, emus[0], args.device, tmp / f"{name}-all",
+                                        cluster, calibration)
+    emus[0]["real_slowest_s_per_iteration"] = per_iteration
     if real and _routing_varies(name):  # compare the iteration the emulation timed, same routing
         timed = emus[0]["sandbox"][0]["timed_iteration"] - 1
         real = [times[timed] for times in per_iteration]
     return real, peaks, emus
+
+
+def diagnose(graph_path: str, world: int, emu: dict, device: str, out: Path, cluster: str,
+             calibration) -> dict:
+    """Every rank a sandbox (real communication, recorder on; nothing paced, no ghost): the replay of
+    that run's recorded compute, and per op name the sandbox-alone compute minus that run's compute
+    of the same rank (the names differing most, in ms)."""
+    from prism_megatron.emulate.run import Emulation
+    from prism_megatron.sim.cluster import load_cluster
+
+    ranks = [str(r) for r in range(world)]
+    summary = Emulation(graph_path, str(out), ranks, load_cluster(cluster), calibration, device=device,
+                        pace=False).run()
+    rank = emu["sandbox"][0]["virtual_rank"]
+    alone = _compute_by_name(Path(emu["out_dir"]) / "sandbox" / f"rank{rank}.prism", rank)
+    together = _compute_by_name(out / "sandbox" / f"rank{rank}.prism", rank)
+    diff = {n: alone.get(n, 0.0) - together.get(n, 0.0) for n in {*alone, *together}}
+    top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:12]
+    walls = {r["virtual_rank"]: r["recorded_iteration_s"] for r in summary["sandbox"]}
+    return {"all_sandbox_replay_s": summary["iteration_time_s"], "recorded_iteration_s": walls,
+            "compute_alone_s": sum(alone.values()), "compute_together_s": sum(together.values()),
+            "compute_diff_ms_by_name": {n: round(d * 1e3, 3) for n, d in top}}
+
+
+def _compute_by_name(path: Path, rank: int) -> dict[str, float]:
+    from prism_megatron.graph import load_graph
+
+    g = load_graph(str(path), check=False)
+    role = g.graph_of(rank)
+    cols = role.columns
+    totals: dict[str, float] = {}
+    for name, kind, seconds in zip(cols["name"].tolist(), cols["kind"].tolist(), cols["duration_s"].tolist()):
+        if kind == 0:
+            key = g.strings[name]
+            totals[key] = totals.get(key, 0.0) + seconds
+    return totals
 
 
 def _routing_varies(name: str) -> bool:
@@ -196,6 +243,8 @@ def main() -> int:
                         help="the last emulation of each config also runs with the realtime clock")
     parser.add_argument("--no-real", action="store_true",
                         help="only the emulation (e.g. the realtime check on a machine with one GPU)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also run every rank as a sandbox and split the error (module docstring)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--list", action="store_true", help="name the configs and exit")
     args = parser.parse_args()
@@ -238,6 +287,7 @@ def main() -> int:
                    "physical_fraction": emus[0]["physical_fraction"],
                    "sandbox_wall_ms": [e["sandbox_wall_ms"] for e in emus],
                    "sandbox": [e["sandbox"][0] for e in emus],
+                   "real_slowest_s_per_iteration": emus[0]["real_slowest_s_per_iteration"],
                    "config_yaml": yaml.safe_load(config.read_text())}
             realtime = [e["sandbox"][0] for e in emus if "realtime_iteration_s" in e["sandbox"][0]]
             note = ""
@@ -249,6 +299,13 @@ def main() -> int:
                 note = (f"  realtime wall {rt['realtime_vs_virtual_pct']:+.2f}% of virtual; replayed with "
                         f"its compute {rt['realtime_replay_iteration_s'] * 1e3:.2f} ms "
                         f"({row['realtime_replay_err_pct']:+.2f}%)")
+            if "diagnosis" in emus[0]:
+                row["diagnosis"] = d = emus[0]["diagnosis"]
+                note += (f"\n    all ranks sandboxes: replay {d['all_sandbox_replay_s'] * 1e3:.2f} ms "
+                         f"({(d['all_sandbox_replay_s'] / real_s - 1) * 100:+.2f}% of real); compute alone "
+                         f"{d['compute_alone_s'] * 1e3:.2f} ms vs together "
+                         f"{d['compute_together_s'] * 1e3:.2f}"
+                         f" ms; by name (ms): {d['compute_diff_ms_by_name']}")
             rows.append(row)
             _write(path, args, cluster, calibration_from, rows)  # after every config: nothing is lost
             print(f"{name:>20}{world:>3}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
