@@ -92,7 +92,8 @@ def config_file(name: str, device: str, iters: int, tmp: Path) -> tuple[Path, in
 
 def real_run(name: str, config: Path, world: int, device: str, warmup: int, out: Path):
     """One real run: the median over iterations after `warmup` of the slowest rank's iteration time,
-    and rank -> peak allocated bytes."""
+    rank -> peak allocated bytes, the slowest rank's time per iteration, and rank -> the caching
+    allocator's cumulative counters per iteration (GPU)."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
          str(_port()), str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config", str(config),
@@ -102,8 +103,9 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
         raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
     per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
     slowest = [max(x) / 1e3 for x in zip(*[s["iteration_times_ms"] for s in per_rank])]
+    allocator = {s["virtual_rank"]: s.get("allocator_per_iteration") for s in per_rank}
     peaks = {s["virtual_rank"]: s.get("peak_allocated_bytes", s.get("peak_tracked_bytes")) for s in per_rank}
-    return statistics.median(slowest[warmup:]), peaks, slowest
+    return statistics.median(slowest[warmup:]), peaks, slowest, allocator
 
 
 def capture(name: str, config: Path, world: int, device: str, tmp: Path) -> str:
@@ -125,6 +127,8 @@ def emulated_run(graph_path: str, sandbox: list[str], device: str, out: Path, cl
     rank = summary["sandbox"][0]["virtual_rank"]
     wall = json.loads((out / "sandbox" / f"summary{rank}.json").read_text())["iteration_times_ms"]
     summary["sandbox_wall_ms"] = [round(t, 3) for t in wall]  # its own loop, ghosts answering at once
+    summary["sandbox_allocator"] = json.loads((out / "sandbox" / f"summary{rank}.json").read_text()).get(
+        "allocator_per_iteration")
     summary["out_dir"] = str(out)
     return summary
 
@@ -134,13 +138,14 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
     """Capture once, then real and emulated runs interleaved (real, emulated, real, ...), so that a
     drift of the machine over the minutes of a config reaches both sides alike."""
     graph_path = capture(name, config, world, args.device, tmp)
-    real, peaks, emus, per_iteration = [], {}, [], []
+    real, peaks, emus, per_iteration, allocators = [], {}, [], [], []
     for rep in range(args.reps):
         if not args.no_real:
-            seconds, rank_peaks, slowest = real_run(name, config, world, args.device, args.warmup,
+            seconds, rank_peaks, slowest, allocator = real_run(name, config, world, args.device, args.warmup,
                                                     tmp / f"{name}-real{rep}")
             real.append(seconds)
             per_iteration.append(slowest)
+            allocators.append(allocator)
             for rank, peak in rank_peaks.items():
                 peaks.setdefault(rank, []).append(peak)
         clock = "realtime" if args.realtime and rep == args.reps - 1 else "virtual"
@@ -150,6 +155,7 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
         emus[0]["diagnosis"] = diagnose(graph_path, world, emus[0], args.device, tmp / f"{name}-all",
                                         cluster, calibration)
     emus[0]["real_slowest_s_per_iteration"] = per_iteration
+    emus[0]["real_allocator"] = allocators
     if real and _routing_varies(name):  # compare the iteration the emulation timed, same routing
         timed = emus[0]["sandbox"][0]["timed_iteration"] - 1
         real = [times[timed] for times in per_iteration]
@@ -288,6 +294,8 @@ def main() -> int:
                    "sandbox_wall_ms": [e["sandbox_wall_ms"] for e in emus],
                    "sandbox": [e["sandbox"][0] for e in emus],
                    "real_slowest_s_per_iteration": emus[0]["real_slowest_s_per_iteration"],
+                   "real_allocator": emus[0]["real_allocator"],
+                   "sandbox_allocator": [e.get("sandbox_allocator") for e in emus],
                    "config_yaml": yaml.safe_load(config.read_text())}
             realtime = [e["sandbox"][0] for e in emus if "realtime_iteration_s" in e["sandbox"][0]]
             note = ""

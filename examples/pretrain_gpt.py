@@ -177,7 +177,7 @@ def train(cfg, inst, summary_path):
     summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(), "losses": [],
                "grad_norms": [], "iteration_times_ms": [],
                "ghost_policy": cfg.emulation.ghost_policy if inst.virtual else None,
-               "backend_host_s_per_iteration": []}
+               "backend_host_s_per_iteration": [], "allocator_per_iteration": []}
     log = inst.session.log if inst.session is not None else None
     for it in range(1, t.iters + 1):
         start = time.perf_counter()
@@ -201,10 +201,17 @@ def train(cfg, inst, summary_path):
         summary["iteration_times_ms"].append(elapsed_ms)
         if log is not None:  # the prism backend's own host time in this iteration
             summary["backend_host_s_per_iteration"].append(log.host_s - backend_start)
+        if device == "cuda":  # the caching allocator's retries and device calls so far (cumulative)
+            stats = torch.cuda.memory_stats()
+            summary["allocator_per_iteration"].append(
+                {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS})
         shown = "n/a" if loss is None else f"{loss:.6E}"
         print(f" [rank {rank}] iteration {it}/{t.iters} | lm loss: {shown} | grad norm: "
               f"{summary['grad_norms'][-1]} | iteration time (ms): {elapsed_ms:.1f}", flush=True)
     _finish(summary, inst, summary_path)
+
+
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 
 
 def _free_port() -> int:

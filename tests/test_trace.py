@@ -43,8 +43,9 @@ class FakeWork:
 ROLE = Role(pp=0, tp=0, cp=0, ep=0, etp=0)
 
 
-def _comm(rec, op="all_reduce", dim="tp", nbytes=64, peer=None, group="g1"):
-    rec.comm_begin(op=op, dim=dim, group=group, nbytes=nbytes, dtype="float32", peer_delta=peer)
+def _comm(rec, op="all_reduce", dim="tp", nbytes=64, peer=None, group="g1", real_peer=False):
+    rec.comm_begin(op=op, dim=dim, group=group, nbytes=nbytes, dtype="float32", peer_delta=peer,
+                   real_peer=real_peer)
     work = FakeWork()
     rec.comm_issued(work)
     return work
@@ -82,6 +83,29 @@ def test_segments_are_named_by_the_innermost_label_and_ordered_per_stream():
     assert sorted(g.deps(comm + 1)) == [comm - 1, comm]  # program order + the wait
     assert (g.spans["first"].tolist(), g.spans["last"].tolist()) == ([2], [6])  # inside the span
     assert g.peak_bytes == 100 and set(g.mem_bytes.tolist()) == {7}
+
+
+@pytest.mark.parametrize("real_peer", [False, True])
+def test_a_real_peers_transfer_after_the_return_belongs_to_no_node(real_peer):
+    """Waited at once: with ghost peers only the backend returned when all was done; with another
+    sandbox in the group the waiting stream stalls for the real transfer (here 50 ms), and that stall
+    must not open the next compute node (it would count twice: as compute and in the replay)."""
+    clock = FakeClock()
+    rec = Recorder(clock, lambda: 0)
+    rec.begin_iteration()
+    rec.enter("decoder.layers.0.self_attention")
+    work = _comm(rec, real_peer=real_peer)
+    entry = rec.wait_begin(work)
+    if real_peer:
+        clock.delay(0.050)  # the transfer with the other sandbox
+    rec.wait_end(entry)
+    rec.exit()
+    g, names, _ = _built(rec)
+    after = names.index("all_reduce") + 1
+    assert names[after] == "decoder.layers.0.self_attention"
+    assert g.columns["duration_s"][after] == pytest.approx(1e-3)  # one mark: its own end
+    comm = names.index("all_reduce")
+    assert comm in g.deps(after).tolist()
 
 
 def test_coarse_memory_sampling_keeps_the_nodes_and_reads_memory_only_at_spans_and_comm():

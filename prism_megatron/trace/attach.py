@@ -59,8 +59,11 @@ def connect_comm(recorder: Recorder, session: Any) -> None:
             members, n = event.members, len(event.members)
             d = (members.index(event.peer) - members.index(me)) % n
             delta = d - n if d > n // 2 else d
+            real_peer = event.peer in session.physical.sandbox_set
+        else:
+            real_peer = event.ghosts < len(event.members) - 1
         recorder.comm_begin(op=event.op, dim=event.dim, group=event.group_id, nbytes=event.nbytes,
-                            dtype=event.dtype, peer_delta=delta)
+                            dtype=event.dtype, peer_delta=delta, real_peer=real_peer)
 
     session.log.listeners.append(on_event)
     session.log.issue_listeners.append(recorder.comm_issued)

@@ -116,6 +116,7 @@ class Recorder:
         self._comm_ordinal = 0
         self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
         self._unissued: list[tuple[_Iteration, int]] = []  # comm nodes begun, their Work not yet returned
+        self._real_peer = False  # one of those has another sandbox among its members
         self._lock = threading.RLock()
         self.setup = _Iteration(labelled=True)
         self.iterations: list[_Iteration] = []
@@ -219,7 +220,9 @@ class Recorder:
     # -- communication -------------------------------------------------------------------------
 
     def comm_begin(self, *, op: str, dim: str, group: str, nbytes: int, dtype: str,
-                   peer_delta: Optional[int]) -> None:
+                   peer_delta: Optional[int], real_peer: bool = False) -> None:
+        """An operation begins. `real_peer`: another sandbox takes part, so completion can take real
+        time after the backend returns (a wait then always takes its mark; see `wait_begin`)."""
         with self._lock:
             now = self._cut(anchor=f"comm:{op}:{group}")
             it, stream = self._cur, f"comm.{dim}"
@@ -231,6 +234,7 @@ class Recorder:
             if self._unissued and self._unissued[0][0] is not it:
                 self._unissued = []
             self._unissued.append((it, len(it.nodes)))
+            self._real_peer = self._real_peer or real_peer
             it.nodes.append(_Node(NodeKind.COMM, op, stream, now, None, deps, op=op, dim=dim,
                                   group=group, nbytes=nbytes, dtype=dtype, peer_delta=peer_delta,
                                   ordinal=ordinal))
@@ -242,6 +246,7 @@ class Recorder:
             it = self._cur
             group = [i for owner, i in self._unissued if owner is it]
             self._unissued = []
+            real_peer, self._real_peer = self._real_peer, False
             if not group:
                 return
             now = it.add(self.clock.mark(), "issued")
@@ -260,34 +265,37 @@ class Recorder:
                 self._pending.setdefault(self.clock.stream(), []).extend(
                     i for i in group if it.nodes[i].peer_delta is None)
             if work is not None:
-                self._works[id(work)] = (work, it, group, ordinals)
+                self._works[id(work)] = (work, it, group, ordinals, real_peer)
 
     def wait_begin(self, work: Any) -> Optional[tuple]:
         with self._lock:
             entry = self._works.pop(id(work), None)
             if entry is None:
                 return None
-            _, it, group, ordinals = entry
+            _, it, group, ordinals, real_peer = entry
             # Waited right after its issue (a synchronous call): nothing ran in between, so no node
             # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
             at_once = (it is self._cur and group[-1] == len(it.nodes) - 1
                        and self._seg_start == self._after_issue)
             if not at_once:
                 self._cut(anchor="wait")  # what ran since the issue (overlapped work)
-            return it, group, at_once, ordinals
+            return it, group, at_once, ordinals, real_peer
 
     def wait_end(self, entry: Optional[tuple]) -> None:
         if entry is None:
             return
         with self._lock:
-            it, group, at_once, ordinals = entry
+            it, group, at_once, ordinals, real_peer = entry
             if it is self._cur:
                 self._pending.setdefault(self.clock.stream(), []).extend(group)
             stall = sum(self._wait_delays[k] for k in ordinals if 0 <= k < len(self._wait_delays))
             if stall > 0 and it is self._cur:  # the replay's stream waits here: belongs to no node
                 self.clock.delay(stall)
-            elif at_once:
+            elif at_once and not real_peer:
                 return  # the issue's mark stands: what follows is the next segment's
+            # (with another sandbox in the operation a real transfer can run after the backend
+            # returned, and the waiting stream stalls for it: that stall belongs to no node, so the
+            # next segment starts at the wait's end, not at the issue)
             self._seg_start = self._cur.add(self.clock.mark(), "waited")
 
     # -- cross-stream synchronization (device events) -------------------------------------------
