@@ -251,6 +251,8 @@ def main() -> int:
                         help="only the emulation (e.g. the realtime check on a machine with one GPU)")
     parser.add_argument("--diagnose", action="store_true",
                         help="also run every rank as a sandbox and split the error (module docstring)")
+    parser.add_argument("--keep", default=None,
+                        help="keep the work directory (graphs, sandbox runs, logs) here, not in /tmp")
     parser.add_argument("--json", default=None)
     parser.add_argument("--list", action="store_true", help="name the configs and exit")
     args = parser.parse_args()
@@ -273,7 +275,8 @@ def main() -> int:
               f"{'real peak MiB':>15}{'emu peak MiB':>14}{'mem err':>10}")
     print(header)
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
+        tmp = Path(args.keep or tmp_name)
+        tmp.mkdir(parents=True, exist_ok=True)
         for name in args.configs:
             config, world, sandbox = config_file(name, args.device, args.iters, tmp)
             real, peaks, emus = measure(name, config, world, sandbox, args, tmp, cluster, calibration)
