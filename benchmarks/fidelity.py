@@ -238,7 +238,7 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cluster", default=None, help="network of the emulation (default: h200x2 on "
                                                         "cuda, cpu_host on cpu)")

@@ -164,7 +164,7 @@ class Capture:
         config = self.out / "config.yaml"
         return [sys.executable, str(self.script), "--prism-config", str(config),
                 "--prism-sandbox-ranks", str(s.rank), "--prism-trace-path", str(s.path),
-                "--prism-trace-selection", "median"]
+                "--prism-trace-selection", "node-median"]
 
     def _env(self, slot: int) -> dict:
         env = dict(os.environ, PYTHONWARNINGS="ignore")

@@ -20,7 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "aten")
 TIMINGS = ("two-pass", "single-pass")
-SELECTIONS = ("last", "median")
+SELECTIONS = ("last", "median", "node-median")
 
 
 class ConfigError(ValueError):
@@ -266,9 +266,11 @@ class TraceConfig:
 
     selection: str = "last"
     """With iteration=-1, which iteration becomes the graph: the last full one (every rank of a
-    multi-process recording takes the same one), or `median`: the timed iteration of median length
-    among the full ones after the first (a steadier figure for one process: capture slices and
-    emulation sandboxes use it; falls back to the last full one when there is no choice)."""
+    multi-process recording takes the same one); `median`: the steady timed iteration of median
+    length (trace/recorder.py `steady_iterations`; a steadier figure for one process; falls back to
+    the last full one when there is no choice); `node-median`: that iteration's nodes with each
+    interval between marks the median over the steady timed iterations (capture slices and
+    emulation sandboxes use it; `median` when MoE routing differs per iteration)."""
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:

@@ -174,7 +174,7 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
     for r in ranks:
         Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
     job = [str(script), "--prism-config", str(config), "--prism-sandbox-ranks", *map(str, ranks),
-           "--prism-trace-path", str(trace), "--prism-trace-selection", "median", "--device", device,
+           "--prism-trace-path", str(trace), "--prism-trace-selection", "node-median", "--device", device,
            "--prism-summary-json", str(out / "summary{rank}.json")]
     if len(ranks) > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),

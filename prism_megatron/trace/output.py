@@ -62,6 +62,19 @@ def memory_figures(inst: Any) -> dict[str, Any]:
             "memory_source": "cuda-allocator"}
 
 
+def _loads_vary(cfg: Any) -> bool:
+    """Whether MoE routing differs per iteration (then iterations do not run the same work)."""
+    from prism_megatron.moe.imbalance import Imbalance
+
+    spec = getattr(getattr(cfg, "moe", None), "imbalance", "none") or "none"
+    if spec == "none":
+        return False
+    try:
+        return Imbalance.parse(spec, drift_per_iteration=cfg.moe.drift_per_iteration).varies_per_iteration
+    except ValueError:
+        return True
+
+
 def write_role_graph(inst: Any) -> str:
     """Build the recorded iteration's graph for this rank's role and save it to `trace.path`."""
     from prism_megatron.config.loader import to_yaml
@@ -74,14 +87,20 @@ def write_role_graph(inst: Any) -> str:
     role = session.world.role(rank)
     path = per_rank_path(cfg.trace.path, rank)
     strings = StringTable()
-    median = inst.recorder.median_iteration() if cfg.trace.selection == "median" else None
+    selection = cfg.trace.selection
+    if selection == "node-median" and _loads_vary(cfg):  # iterations differ in their work: pick one
+        selection = "median"
+    median = inst.recorder.median_iteration() if selection != "last" else None
+    pool = inst.recorder.steady_iterations() if selection == "node-median" and median is not None else ()
     if cfg.trace.iteration > 0:
         iteration = cfg.trace.iteration - 1
     elif median is not None:
         iteration = median
     else:  # the last full period: an iteration runs to the next one's start (zero_grad included)
         iteration = -2 if len(inst.recorder.iterations) >= 2 else -1
-    graph = inst.recorder.build(role, rank, strings, iteration=iteration, **memory_figures(inst))
+    if cfg.trace.iteration > 0:
+        pool = ()
+    graph = inst.recorder.build(role, rank, strings, iteration=iteration, pool=pool, **memory_figures(inst))
     meta = {"config": to_yaml(cfg), "captured_rank": rank, "device": inst.device,
             "clock": inst.recorder.clock.kind, "granularity": cfg.trace.granularity,
             "iterations_run": len(inst.recorder.iterations), **inst.recorder.built,

@@ -344,8 +344,14 @@ class Recorder:
     # -- output --------------------------------------------------------------------------------
 
     def build(self, role: Role, representative: int, strings: StringTable, *, iteration: int = -1,
-              **memory: Any) -> RoleGraph:
-        """The RoleGraph of training iteration `iteration` (python index; -1: the last)."""
+              pool: Sequence[int] = (), **memory: Any) -> RoleGraph:
+        """The RoleGraph of training iteration `iteration` (python index; -1: the last).
+
+        `pool`: timed iterations (python indices) whose times are pooled: each interval between two
+        consecutive marks of the built iteration lasts the median of that interval over the pool's
+        iterations that ran the same program (mapped like a timed neighbour, module docstring). One
+        slow moment of the device or the host (a hiccup of another process, a clock dip) then moves
+        no node, where a single iteration would carry it into the graph."""
         with self._lock:
             if not self.iterations:
                 raise RecorderError("no training iteration was recorded: iterations are marked by "
@@ -360,8 +366,14 @@ class Recorder:
             # summaries) is not part of a training iteration.
         it = self.iterations[labelled]
         seconds = self._seconds(it, self.iterations[timed])
+        pooled = [j for j in pool if j != timed and 0 <= j < n_it and not self.iterations[j].labelled
+                  and _same_program(it, self.iterations[j], self.iterations[-1])]
+        if pooled:
+            steps = [np.diff(seconds)] + [np.diff(self._seconds(it, self.iterations[j])) for j in pooled]
+            seconds = np.concatenate([seconds[:1], seconds[0] + np.cumsum(np.median(steps, axis=0))])
         self.built = {"timing": "two-pass" if timed != labelled else "single-pass",
-                      "timed_iteration": timed + 1, "labelled_iteration": labelled + 1}
+                      "timed_iteration": timed + 1, "labelled_iteration": labelled + 1,
+                      "pooled_iterations": sorted(j + 1 for j in {timed, *pooled}) if pooled else []}
         b = RoleGraphBuilder(role, representative, strings)
         seq: dict[str, int] = {}
         for node in it.nodes:
@@ -384,11 +396,20 @@ class Recorder:
         return b.build(mem_t_s=mem_t, mem_bytes=np.asarray([x[1] for x in it.mem], dtype="i8"),
                        **memory)
 
-    def median_iteration(self) -> Optional[int]:
-        """The timed iteration (python index) of median length among the full ones after the first
-        (not the last, which has no end); None when there are fewer than two to choose from."""
+    def steady_iterations(self) -> list[int]:
+        """The timed full iterations (python indices) of the steady state: after the first two (the
+        first allocates and warms up, the second often still settles) when at least two remain, else
+        after the first; never the last, which has no end."""
         its = self.iterations
-        candidates = [k for k in range(1, len(its) - 1) if not (self.two_pass and its[k].labelled)]
+        timed = [k for k in range(1, len(its) - 1) if not (self.two_pass and its[k].labelled)]
+        later = [k for k in timed if k >= 2]
+        return later if len(later) >= 2 else timed
+
+    def median_iteration(self) -> Optional[int]:
+        """The steady timed iteration (python index) of median length (`steady_iterations`); None
+        when there are fewer than two to choose from."""
+        its = self.iterations
+        candidates = self.steady_iterations()
         if len(candidates) < 2:
             return None
         spans = {k: float(self.clock.seconds([its[k].marks[-1]], its[k].marks[0])[0]) for k in candidates}
