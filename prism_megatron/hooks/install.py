@@ -15,7 +15,8 @@ It wraps, and `Installation.uninstall()` restores:
   plain run with a trace path is recorded as a virtual world of its own size (no ghosts: the same
   data and memory, as tests/test_training.py checks);
 - megatron-core's local specs without Transformer Engine (runtime/local_specs.py), on any device;
-- on CPU, the CPU runtime (runtime/cpu.py).
+- on CPU, the CPU runtime (runtime/cpu.py);
+- DeepSpeed's `initialize` and its engine, when DeepSpeed is importable (hooks/deepspeed.py).
 
 Without a virtual world size, only the runtime pieces and the phase markers are installed: the
 script runs as launched, which is the plain baseline the emulation is compared with.
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from prism_megatron.comm.backend import register_prism_backend
 from prism_megatron.comm.session import VirtualSession
 from prism_megatron.config.schema import ConfigError, PrismConfig
+from prism_megatron.hooks.deepspeed import install_deepspeed
 from prism_megatron.hooks.megatron import make_initialize_model_parallel, make_setup_embeddings
 from prism_megatron.hooks.schedules import ScheduleHooks
 from prism_megatron.hooks.torch_dist import (
@@ -170,6 +172,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         _install_recorder(inst, recorder)
     ScheduleHooks(inst.tracker, inst.recorder).install(inst._patches)
     _install_model_hooks(inst)
+    install_deepspeed(inst, lambda: inst.session)
     if not inst.virtual:
         return inst
     register_prism_backend()

@@ -1,0 +1,202 @@
+"""Train a GPT-like model with DeepSpeed (ZeRO 1, 2 or 3): plain, or as one rank of a virtual world.
+
+Plain, under torchrun (gloo on CPU, NCCL on GPU):
+    torchrun --nproc-per-node 4 examples/deepspeed_train.py --deepspeed-config configs/deepspeed/zero2.json
+Virtualized: the same script as rank 5 of a 1024-way ZeRO data-parallel job, in one process:
+    python examples/deepspeed_train.py --deepspeed-config configs/deepspeed/zero3.json \\
+        --prism-virtual-world-size 1024 --prism-sandbox-ranks 5
+
+What a DeepSpeed user writes: `deepspeed.init_distributed`, `deepspeed.initialize` with a config
+JSON, and the engine's forward / backward / step. The only prism line is `prism_megatron.install(cfg)`
+before `init_distributed`. The model's shape and the batch come from the Megatron-style flags
+(`--hidden-size`, `--num-layers`, `--micro-batch-size`, `--global-batch-size`, ...): the micro batch
+size and the gradient accumulation steps (global batch / (micro batch x data-parallel size), as in
+Megatron) go into the DeepSpeed config. Data is mock: token ids drawn from a generator seeded by
+(seed, iteration, data-parallel rank, microbatch), so every run sees the same.
+
+The summary (`--prism-summary-json`) holds per-iteration losses, grad norms and times, the tracked
+peak memory (CPU) or the allocator's peak (GPU), and this rank's model-state bytes (parameters,
+gradients, optimizer state) as DeepSpeed holds them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import prism_megatron
+from prism_megatron.config import ConfigError
+from prism_megatron.config.flags import OneLineParser, add_megatron_args, add_prism_args, config_from_args
+from prism_megatron.util import atomic_write_text, per_rank_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DS_CONFIG = os.path.join(REPO, "configs", "deepspeed", "zero2.json")
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(hidden)
+        self.self_attention = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.pre_mlp_layernorm = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class TinyGPT(nn.Module):
+    """Token and position embeddings, pre-norm transformer blocks, final norm, untied output layer."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.position_embedding = nn.Embedding(seq, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.final_layernorm = nn.LayerNorm(hidden)
+        self.output_layer = nn.Linear(hidden, vocab, bias=False)
+        self.register_buffer("causal", torch.full((seq, seq), float("-inf")).triu(1), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        x = self.embedding(tokens) + self.position_embedding(torch.arange(s, device=tokens.device))
+        mask = self.causal[:s, :s].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits = self.output_layer(self.final_layernorm(x))
+        return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def accumulation_steps(cfg, dp: int) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def ds_config(args, cfg, dp: int) -> dict:
+    """The DeepSpeed config: the file, with the batch from the flags and `--zero-stage` applied."""
+    try:
+        with open(args.deepspeed_config) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--deepspeed-config {args.deepspeed_config}: {err}; give a DeepSpeed config JSON "
+                          f"such as {DEFAULT_DS_CONFIG}") from None
+    t = cfg.train
+    data["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    data.pop("train_batch_size", None)
+    data["gradient_accumulation_steps"] = accumulation_steps(cfg, dp)
+    if args.zero_stage is not None:
+        data.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    data.setdefault("optimizer", {"type": "AdamW", "params": {"lr": t.lr, "torch_adam": True}})
+    data.setdefault("steps_per_print", 10 ** 9)
+    return data
+
+
+def batches(cfg, iteration: int, dp_rank: int, count: int, device: str):
+    m, t = cfg.model, cfg.train
+    for micro in range(count):
+        gen = torch.Generator().manual_seed(hash((t.seed, iteration, dp_rank, micro)) & 0x7FFFFFFF)
+        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen)
+        yield tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def train(args, cfg, inst, summary_path) -> None:
+    import deepspeed
+
+    from prism_megatron.hooks.deepspeed import model_state_bytes
+
+    device = inst.device
+    if "RANK" not in os.environ:  # plain `python`, not torchrun: a world of one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    m = cfg.model
+    torch.manual_seed(cfg.train.seed)
+    model = TinyGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.seq_length)
+    dp = dist.get_world_size()  # ZeRO's data parallelism spans the world
+    config = ds_config(args, cfg, dp)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    rank = dist.get_rank()
+    summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(),
+               "zero_stage": engine.zero_optimization_stage(), "losses": [], "grad_norms": [],
+               "iteration_times_ms": [],
+               "num_parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                     for p in model.parameters())}
+    for it in range(1, cfg.train.iters + 1):
+        start = time.perf_counter()
+        losses = []
+        for tokens, labels in batches(cfg, it, rank, accumulation_steps(cfg, dp), device):
+            loss = engine(tokens, labels)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        norm = engine.get_global_grad_norm()
+        summary["losses"].append(sum(losses) / len(losses))
+        summary["grad_norms"].append(float(norm) if norm is not None else None)
+        summary["iteration_times_ms"].append(elapsed_ms)
+        print(f" [rank {rank}] iteration {it}/{cfg.train.iters} | loss: {summary['losses'][-1]:.6E} | "
+              f"grad norm: {summary['grad_norms'][-1]} | iteration time (ms): {elapsed_ms:.1f}", flush=True)
+    summary["model_state_bytes"] = model_state_bytes(engine)
+    summary["model_state_peak_bytes"] = getattr(engine, "prism_model_state_peak_bytes", None)
+    key = "peak_tracked_bytes" if inst.tracker is not None else "peak_allocated_bytes"
+    summary[key] = int(inst.peak_memory_bytes())
+    if inst.tracker is not None:
+        summary["memory"] = inst.tracker.snapshot()
+    if inst.session is not None:
+        summary["comm"] = inst.session.log.rows()
+    if summary_path:
+        atomic_write_text(per_rank_path(summary_path, rank), json.dumps(summary, indent=1))
+    finite = [x for x in summary["losses"] + summary["grad_norms"] if x is not None]
+    if not all(math.isfinite(x) for x in finite):
+        print(f"error: non-finite loss or grad norm on rank {rank}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    parser = OneLineParser(prog="deepspeed_train.py", description=__doc__.splitlines()[0])
+    add_megatron_args(add_prism_args(parser))
+    group = parser.add_argument_group("deepspeed")
+    group.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="DeepSpeed config JSON")
+    group.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                       help="overrides zero_optimization.stage of the config")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args, getattr(args, "prism_config", None))
+        if cfg.emulation.virtual_world_size is None:
+            cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.train.device != "cuda":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        inst = prism_megatron.install(cfg)
+        train(args, cfg, inst, getattr(args, "prism_summary_json", None))
+    except ConfigError as err:
+        print(f"deepspeed_train.py: error: {err}", file=sys.stderr)
+        return 2
+    inst.uninstall()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

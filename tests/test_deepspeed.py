@@ -1,0 +1,124 @@
+"""DeepSpeed under the virtual world (hooks/deepspeed.py, examples/deepspeed_train.py), on CPU.
+
+- ZeRO-1, 2 and 3 at virtual data-parallel size 1024, one process as rank 5: the model-state bytes
+  the sandbox holds are DeepSpeed's per-rank share, term by term as DeepSpeed's own estimators count
+  them (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`), with
+  DeepSpeed's partition padding.
+- No ghosts: 4 gloo processes plain and the same 4 as the sandboxes of a virtual world of 4 give
+  equal losses, grad norms and tracked peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "deepspeed_train.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+MODEL = ["--device", "cpu", "--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2"]
+N = 1024
+
+
+def _config(stage: int) -> str:
+    return str(REPO / "configs" / "deepspeed" / f"zero{stage}.json")
+
+
+def _run(args, summary: Path, nproc: int = 1, timeout: int = 600):
+    if nproc > 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(port), str(SCRIPT)]
+    else:
+        cmd = [sys.executable, str(SCRIPT)]
+    proc = subprocess.run([*cmd, *MODEL, *args, "--prism-summary-json", str(summary)], capture_output=True,
+                          text=True, env=ENV, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_model_states_at_virtual_dp_1024_are_deepspeeds_per_rank_share(tmp_path, stage):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _run(["--deepspeed-config", _config(stage), "--global-batch-size", str(2 * N), "--train-iters", "2",
+          "--prism-virtual-world-size", str(N), "--prism-sandbox-ranks", "5"], tmp_path / "s.json")
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["zero_stage"] == stage and summary["virtual_world_size"] == N
+    held = summary["model_state_peak_bytes"]  # while the update runs: every term alive
+    total = summary["num_parameters"]
+    # the model's parameters (TinyGPT), by shape: what DeepSpeed partitions
+    h, v, s, layers = 64, 512, 32, 2
+    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+    shapes = [v * h, s * h, *block * layers, h, h, v * h]
+    assert sum(shapes) == total
+    if stage in (1, 2):
+        align = 2 * N  # 16-bit groups are padded to a multiple of 2 elements per rank
+        padded = math.ceil(total / align) * align
+        part = padded // N
+        assert held["params_16bit"] == 2 * padded       # full 16-bit parameters on every rank
+        assert held["params_fp32"] == 4 * part          # fp32 master partition
+        assert held["optimizer_moments"] == 8 * part    # Adam's two moments of the partition
+        assert held["grads_fp32"] == 4 * part           # fp32 gradient partition
+        # DeepSpeed's estimator: 2 x params (16-bit) + 18 x params / N (2: 16-bit gradients, 4: fp32
+        # gradients, 4: fp32 master, 8: moments); the same terms at the padded size:
+        _, estimate = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=8, num_nodes=N // 8,
+                                                            cpu_offload=False)
+        ours = held["params_16bit"] + held["params_fp32"] + held["optimizer_moments"] + held["grads_fp32"]
+        assert ours + 2 * part == 2 * padded + 18 * part
+        assert 0 <= (2 * padded + 18 * part) - estimate <= 2 * (padded - total) + 18
+        # the 16-bit gradients alive at that moment are what DeepSpeed really holds: the full
+        # gradients of the parameters this rank's partition lies in, freed once copied to fp32
+        assert held["grads_16bit"] > 0
+    else:
+        part = sum(math.ceil(n / N) for n in shapes)  # ZeRO-3 partitions every parameter
+        assert held["params_16bit"] == 2 * part
+        assert held["grads_16bit"] == 2 * part
+        assert held["grads_fp32"] == 4 * part
+        assert held["params_fp32"] == 4 * part
+        assert held["optimizer_moments"] == 8 * part
+        # DeepSpeed's estimator: 4 x the largest layer (gathered) + 18 x params / N; its 18 leaves out
+        # the 16-bit gradient partition buffer that ZeRO-3 keeps (2 bytes per partition element)
+        _, estimate, largest_memory = estimate_zero3_model_states_mem_needs(
+            total, max(shapes), num_gpus_per_node=8, num_nodes=N // 8, cpu_offload=False,
+            cpu_offload_params=False)
+        assert largest_memory == 4 * max(shapes)
+        per_partition = estimate - largest_memory
+        ours = sum(held.values()) - held["grads_16bit"]
+        assert abs(ours - per_partition) <= 18 * len(shapes)  # each parameter padded to N pieces
+    assert all(math.isfinite(x) for x in summary["losses"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_no_ghosts_virtualized_equals_plain(tmp_path, stage):
+    common = ["--deepspeed-config", _config(stage), "--global-batch-size", "16", "--train-iters", "3"]
+    _run(common, tmp_path / "plain{rank}.json", nproc=4)
+    _run([*common, "--prism-virtual-world-size", "4", "--prism-sandbox-ranks", "0", "1", "2", "3"],
+         tmp_path / "virtual{rank}.json", nproc=4)
+    for rank in range(4):
+        plain = json.loads((tmp_path / f"plain{rank}.json").read_text())
+        virtual = json.loads((tmp_path / f"virtual{rank}.json").read_text())
+        assert virtual["virtual_world_size"] == 4 and virtual["zero_stage"] == stage
+        assert virtual["losses"] == plain["losses"]
+        assert virtual["grad_norms"] == plain["grad_norms"]
+        assert virtual["peak_tracked_bytes"] == plain["peak_tracked_bytes"]
+        assert virtual["model_state_bytes"] == plain["model_state_bytes"]
+
+
+def test_bad_deepspeed_config_is_one_line_and_exit_2(tmp_path):
+    missing = str(tmp_path / "no.json")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *MODEL, "--deepspeed-config", missing],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and "--deepspeed-config" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1
