@@ -83,11 +83,14 @@ def accumulation_steps(cfg, dp: int) -> int:
 
 def ds_config(args, cfg, dp: int) -> dict:
     """The DeepSpeed config: the file, with the batch from the flags and `--zero-stage` applied."""
+    path = args.deepspeed_config or cfg.train.deepspeed_config or DEFAULT_DS_CONFIG
+    if not os.path.isabs(path) and not os.path.exists(path):
+        path = os.path.join(REPO, path)  # a config's repository-relative path
     try:
-        with open(args.deepspeed_config) as handle:
+        with open(path) as handle:
             data = json.load(handle)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"--deepspeed-config {args.deepspeed_config}: {err}; give a DeepSpeed config JSON "
+        raise ConfigError(f"--deepspeed-config {path}: {err}; give a DeepSpeed config JSON "
                           f"such as {DEFAULT_DS_CONFIG}") from None
     t = cfg.train
     data["train_micro_batch_size_per_gpu"] = t.micro_batch_size
@@ -177,7 +180,9 @@ def main(argv=None) -> int:
     parser = OneLineParser(prog="deepspeed_train.py", description=__doc__.splitlines()[0])
     add_megatron_args(add_prism_args(parser))
     group = parser.add_argument_group("deepspeed")
-    group.add_argument("--deepspeed-config", default=DEFAULT_DS_CONFIG, help="DeepSpeed config JSON")
+    group.add_argument("--deepspeed-config", default=None,
+                       help="DeepSpeed config JSON (default: train.deepspeed_config, else "
+                            "configs/deepspeed/zero2.json)")
     group.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                        help="overrides zero_optimization.stage of the config")
     args = parser.parse_args(argv)

@@ -37,6 +37,12 @@ from prism_megatron.world import Role, VirtualWorld
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
+DEEPSPEED_EXAMPLE = REPO / "examples" / "deepspeed_train.py"
+
+
+def script_for(framework: str) -> Path:
+    """The training script of a job of `train.framework` (a slice and a sandbox run it)."""
+    return DEEPSPEED_EXAMPLE if framework == "deepspeed" else EXAMPLE
 
 
 class CaptureFailed(RuntimeError):
@@ -117,10 +123,12 @@ class Capture:
 
     def __init__(self, cfg: PrismConfig, out_dir: str, *, workers: Optional[int] = None,
                  device: Optional[str] = None, timeout_s: float = 1800.0,
-                 script: Path = EXAMPLE,
+                 script: Optional[Path] = None,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> None:
-        """`script`: the training script every slice runs (megatron-core, prism `--prism-*` flags)."""
-        self.cfg, self.out, self.script = cfg, Path(out_dir), Path(script)
+        """`script`: the training script every slice runs (prism `--prism-*` flags; default: the
+        repository's example for `train.framework`)."""
+        self.cfg, self.out = cfg, Path(out_dir)
+        self.script = Path(script) if script is not None else script_for(cfg.train.framework)
         self.world = world_of(cfg)
         self.microbatches = microbatches_of(cfg, self.world)
         self.device = device or cfg.train.device

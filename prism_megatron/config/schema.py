@@ -202,9 +202,20 @@ class ModelConfig:
                               f"{', '.join(DTYPES)}")
 
 
+FRAMEWORKS = ("megatron", "deepspeed")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Training loop settings (examples/pretrain_gpt.py)."""
+    """Training loop settings (examples/pretrain_gpt.py; examples/deepspeed_train.py)."""
+
+    framework: str = "megatron"
+    """The training script of the job: megatron (megatron-core, examples/pretrain_gpt.py) or
+    deepspeed (a DeepSpeed engine with ZeRO, examples/deepspeed_train.py)."""
+
+    deepspeed_config: Optional[str] = None
+    """framework=deepspeed: the DeepSpeed config JSON (ZeRO stage, precision, optimizer, buckets);
+    None: configs/deepspeed/zero2.json. Its batch sizes are set from this section."""
 
     micro_batch_size: int = 2
     """Sequences per microbatch (--micro-batch-size)."""
@@ -239,6 +250,11 @@ class TrainConfig:
                 f"train.micro_batch_size({self.micro_batch_size})")
         if self.device not in DEVICES:
             raise ConfigError(f"train.device={self.device!r}; expected one of {', '.join(DEVICES)}")
+        if self.framework not in FRAMEWORKS:
+            raise ConfigError(f"train.framework={self.framework!r}; expected one of {', '.join(FRAMEWORKS)}")
+        if self.deepspeed_config is not None and self.framework != "deepspeed":
+            raise ConfigError(f"train.deepspeed_config={self.deepspeed_config} is set but train.framework="
+                              f"{self.framework}; add train.framework=deepspeed or drop the DeepSpeed config")
 
 
 @dataclass(kw_only=True)

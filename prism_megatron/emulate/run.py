@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from prism_megatron.capture.run import EXAMPLE, REPO
+from prism_megatron.capture.run import REPO, script_for
 from prism_megatron.config.schema import ConfigError
 from prism_megatron.emulate.sandbox import direct_peers, resolve_sandbox
 from prism_megatron.graph import load_graph
@@ -57,7 +57,8 @@ class Emulation:
     calibration: Optional[object] = None
     device: Optional[str] = None
     """Where sandboxes run (default: the device the graph was captured for)."""
-    script: Path = EXAMPLE
+    script: Optional[Path] = None
+    """The training script (default: the repository's example for the job's train.framework)."""
     timeout_s: float = 3600.0
     trace_ranks: list[int] = field(default_factory=list)
     """Ranks whose simulated timeline goes to `<out>/emulation.trace.json` (default: the sandboxes)."""
@@ -155,19 +156,22 @@ class Emulation:
         if not text:
             raise ConfigError(f"{self.graph_path} holds no job config; capture it again with this version")
         timed: dict[int, int] = {}
-        graphs = run_sandboxes(text, ranks, out, device=self.device or _device_of(text), script=self.script,
+        graphs = run_sandboxes(text, ranks, out, device=self.device or _device_of(text),
+                               script=self.script or script_for(_framework_of(text)),
                                timeout_s=self.timeout_s, timed=timed)
         self._timed = timed
         return graphs
 
 
-def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str, script: Path = EXAMPLE,
-                  timeout_s: float = 3600.0, timed: Optional[dict[int, int]] = None) -> dict[int, tuple]:
+def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
+                  script: Optional[Path] = None, timeout_s: float = 3600.0,
+                  timed: Optional[dict[int, int]] = None) -> dict[int, tuple]:
     """Run the job of `config_yaml` as sandbox ranks `ranks` (one process each, torchrun when more than
     one) with the recorder on; returns rank -> (its RoleGraph, the graph's strings). Writes
     `<out>/rank<R>.prism`, `<out>/summary<R>.json` and `<out>/run.log`. `timed` receives rank -> the
     index (0-based) of the iteration whose durations the graph holds (trace/recorder.py)."""
     out.mkdir(parents=True, exist_ok=True)
+    script = script or script_for(_framework_of(config_yaml))
     config = out / "config.yaml"
     atomic_write_text(str(config), config_yaml)
     trace = out / "rank{rank}.prism"
@@ -287,6 +291,14 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
 def _span_s(g: RoleGraph) -> float:
     cols = g.columns
     return float((cols["start_s"] + cols["duration_s"]).max()) if len(cols["start_s"]) else 0.0
+
+
+def _framework_of(config_yaml: str) -> str:
+    try:
+        cfg = yaml.safe_load(config_yaml) or {}
+        return str((cfg.get("train") or {}).get("framework") or "megatron")
+    except (yaml.YAMLError, AttributeError):
+        return "megatron"
 
 
 def _device_of(config_yaml: str) -> str:

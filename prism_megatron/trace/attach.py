@@ -144,9 +144,19 @@ class ModuleLabels:
         for _, module in model.named_modules():
             for child in module.children():
                 parents.setdefault(id(child), module)
+        megatron = any(isinstance(m, TransformerBlock) for m in model.modules())
+        # any other model (a DeepSpeed user's): its direct children, each element of a ModuleList
+        # (the layers) and that element's children, as megatron's layers and their parts
+        layers = {id(m) for ml in model.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml}
         for name, module in model.named_modules():
             parent = parents.get(id(module))
             if parent is None or type(module).__name__ in _SKIP or isinstance(module, TransformerBlock):
+                continue
+            if not megatron:
+                wanted = not isinstance(module, torch.nn.ModuleList) and (
+                    parent is model or id(module) in layers or id(parent) in layers)
+                if wanted:
+                    self.targets.append((module, prefix + _module_path(name)))
                 continue
             parent_is_model = type(parent).__name__.endswith("Model") and hasattr(parent, "decoder")
             wanted = (isinstance(module, TransformerLayer) or isinstance(parent, (TransformerLayer, MoELayer))
