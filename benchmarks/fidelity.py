@@ -54,6 +54,9 @@ CONFIGS = {
     # routed by a seeded skew (the same on the real ranks and in the emulation): zipf(1.2)
     "moe_ep2": (2, ["parallel.ep=2", "model.num_experts=4", "model.moe_router_topk=2",
                     "moe.imbalance=zipf(1.2)"], ["0"]),
+    # DeepSpeed (examples/deepspeed_train.py): ZeRO-2 over the 2 ranks, bf16
+    "zero2_dp2": (2, ["train.framework=deepspeed", "train.deepspeed_config=configs/deepspeed/zero2.json"],
+                  ["0"]),
 }
 SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 with the GPU shape
     "cpu": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
@@ -94,9 +97,12 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
     """One real run: the median over iterations after `warmup` of the slowest rank's iteration time,
     rank -> peak allocated bytes, the slowest rank's time per iteration, and rank -> the caching
     allocator's cumulative counters per iteration (GPU)."""
+    from prism_megatron.capture.run import script_for
+
+    framework = (yaml.safe_load(config.read_text()).get("train") or {}).get("framework", "megatron")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-         str(_port()), str(REPO / "examples" / "pretrain_gpt.py"), "--prism-config", str(config),
+         str(_port()), str(script_for(framework)), "--prism-config", str(config),
          "--prism-summary-json", str(out / "summary{rank}.json")],
         capture_output=True, text=True, env=_env(device), cwd=REPO, timeout=3600)
     if proc.returncode:

@@ -122,3 +122,34 @@ def test_bad_deepspeed_config_is_one_line_and_exit_2(tmp_path):
                           capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
     assert proc.returncode == 2 and "--deepspeed-config" in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_deepspeed_job_runs_through_capture_simulation_and_emulation(tmp_path):
+    """`prism-megatron run train.framework=deepspeed`: the slice and the sandbox run
+    examples/deepspeed_train.py; the graph holds ZeRO's collectives over the data-parallel world and
+    one forward and one backward span per microbatch; rank 5 (same role as the captured rank 0) holds
+    exactly the captured memory."""
+    from prism_megatron.graph import load_graph
+
+    job = ["train.framework=deepspeed", "train.deepspeed_config=configs/deepspeed/zero2.json",
+           "emulation.virtual_world_size=64", "emulation.sandbox_ranks=[5]", "parallel.tp=1", "parallel.pp=1",
+           "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+           "model.vocab_size=512", "train.micro_batch_size=2", "train.global_batch_size=256", "train.iters=4",
+           "train.device=cpu", "cluster=cpu_host"]
+    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "run", *job, "--out",
+                           str(tmp_path / "r"), "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert out["ranks"] == 64 and out["iteration_time_s"] > 0 and out["materialized_ghosts"] == 2
+    graph = load_graph(out["graph_path"])
+    (role, g), = graph.roles.items()
+    comm = g.columns["kind"] != 0
+    ops = {graph.string(i) for i in g.columns["op"][comm]}
+    assert {"all_gather", "all_reduce"} <= ops
+    assert {graph.string(i) for i in g.columns["dim"][comm]} == {"world"}  # ZeRO's DP group: everyone
+    names = [graph.string(i) for i in g.spans["name"]]
+    assert names == ["forward", "backward"] * 2  # two microbatches (256 / (2 x 64))
+    assert any(graph.string(i).startswith("layers.1.") for i in g.columns["name"])  # module labels
+    sandbox, = out["sandbox"]
+    assert sandbox["virtual_rank"] == 5 and sandbox["peak_allocated_bytes"] == g.peak_bytes
