@@ -81,6 +81,55 @@ def accumulation_steps(cfg, dp: int) -> int:
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
+class EmbeddingPipe(nn.Module):
+    """Pipeline stage pieces (DeepSpeed's PipelineModule passes one tensor between layers)."""
+
+    def __init__(self, vocab: int, hidden: int, seq: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.position_embedding = nn.Embedding(seq, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.embedding(tokens) + self.position_embedding(positions)
+
+
+class BlockPipe(Block):
+    def __init__(self, hidden: int, heads: int, seq: int) -> None:
+        super().__init__(hidden, heads)
+        self.register_buffer("causal", torch.full((seq, seq), float("-inf")).triu(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        return super().forward(x, self.causal[:s, :s].to(x.dtype))
+
+
+class HeadPipe(nn.Module):
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.final_layernorm = nn.LayerNorm(hidden)
+        self.output_layer = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_layer(self.final_layernorm(x))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def pipeline_model(cfg, stages: int):
+    """TinyGPT as DeepSpeed's PipelineModule: embedding, blocks, head, split uniformly by layers."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    m = cfg.model
+    layers = [LayerSpec(EmbeddingPipe, m.vocab_size, m.hidden_size, m.seq_length),
+              *[LayerSpec(BlockPipe, m.hidden_size, m.num_attention_heads, m.seq_length)
+                for _ in range(m.num_layers)],
+              LayerSpec(HeadPipe, m.hidden_size, m.vocab_size)]
+    return PipelineModule(layers=layers, num_stages=stages, loss_fn=lm_loss, partition_method="uniform")
+
+
 def ds_config(args, cfg, dp: int) -> dict:
     """The DeepSpeed config: the file, with the batch from the flags and `--zero-stage` applied."""
     path = args.deepspeed_config or cfg.train.deepspeed_config or DEFAULT_DS_CONFIG
@@ -123,13 +172,19 @@ def train(args, cfg, inst, summary_path) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    m = cfg.model
+    m, stages = cfg.model, cfg.parallel.pp
     torch.manual_seed(cfg.train.seed)
-    model = TinyGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.seq_length)
-    dp = dist.get_world_size()  # ZeRO's data parallelism spans the world
+    if stages > 1:
+        model = pipeline_model(cfg, stages)
+    else:
+        model = TinyGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.seq_length)
+    dp = dist.get_world_size() // stages  # ZeRO's data parallelism: the world, over the stages
     config = ds_config(args, cfg, dp)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                          if p.requires_grad],
+                                           config=config)
     rank = dist.get_rank()
+    dp_rank = engine.grid.get_data_parallel_rank() if stages > 1 else rank
     summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(),
                "zero_stage": engine.zero_optimization_stage(), "losses": [], "grad_norms": [],
                "iteration_times_ms": [],
@@ -138,7 +193,10 @@ def train(args, cfg, inst, summary_path) -> None:
     for it in range(1, cfg.train.iters + 1):
         start = time.perf_counter()
         losses = []
-        for tokens, labels in batches(cfg, it, rank, accumulation_steps(cfg, dp), device):
+        micro = batches(cfg, it, dp_rank, accumulation_steps(cfg, dp), device)
+        if stages > 1:  # the whole 1F1B schedule; the loss arrives from the last stage
+            losses.append(float(engine.train_batch(data_iter=micro)))
+        for tokens, labels in (micro if stages == 1 else ()):
             loss = engine(tokens, labels)
             engine.backward(loss)
             engine.step()

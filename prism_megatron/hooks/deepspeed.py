@@ -187,7 +187,18 @@ class _EngineHooks:
         engine = self.engine
         self.inst.models.append(engine)
         self.inst.optimizers.append(engine.optimizer)
-        for name in ("forward", "backward", "step"):
+        names = ["forward", "backward", "step"]
+        if hasattr(engine, "train_batch"):  # PipelineEngine: its schedule calls these
+            from prism_megatron.hooks.deepspeed_pipe import PipeHooks
+
+            pipe = PipeHooks(self)
+            for name in pipe.wrapped:
+                setattr(engine, name, getattr(pipe, name)(getattr(engine, name)))
+                self.inst._exits.append(functools.partial(_restore, engine, name))
+            pipe.install_instructions()
+            self.inst._exits.append(functools.partial(_restore, engine, "_INSTRUCTION_MAP"))
+            names = []
+        for name in names:
             original = getattr(engine, name)
             wrapped = getattr(self, f"_{name}")(original)
             setattr(engine, name, wrapped)
