@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("deepspeed")  # the `test` extra installs it (setup.cfg)
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "deepspeed_train.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
