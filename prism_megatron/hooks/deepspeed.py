@@ -146,7 +146,9 @@ def _patch_param_gather(inst: Any) -> None:
     held (right for megatron's persistent parameter buffer, which starts as the full model), but a
     fresh buffer holds nothing yet: so every slot first gets a copy of this rank's partition, as the
     mirror policy gives a ghost's data elsewhere; real members' slots are then overwritten by the
-    real gather. The copy stands in for the bytes the real all-gather writes into the buffer."""
+    real gather. The copy stands in for the bytes the real all-gather writes into the buffer; it runs
+    before the backend's call, so a recorder counts it into the compute segment before the gather
+    (one device copy of the gathered size: small against the layer's compute, but not zero)."""
     try:
         module = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
     except ImportError:
