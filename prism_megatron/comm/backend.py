@@ -238,7 +238,10 @@ class PrismGroup(dist.ProcessGroup):
         if mirror and in_place:
             # In-place gather of sharded state (distributed optimizer / ZeRO parameters): each ghost
             # owns its shard and would have updated it as we did ours; we keep its last known value
-            # rather than overwrite it with copies of our shard.
+            # rather than overwrite it with copies of our shard. A fresh buffer (ZeRO-3) has none:
+            # there every slot gets a copy of ours, one broadcasted copy, before the real members'.
+            if self.session.fresh_gathers and output.is_contiguous():
+                output.view(self.n, -1).copy_(input.detach().clone().reshape(1, -1).expand(self.n, -1))
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return done([output])

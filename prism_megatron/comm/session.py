@@ -86,6 +86,10 @@ class VirtualSession:
     """Providers of what a ghost contributes, asked before the ghost policy: called with (op, group
     members, the ghost's virtual rank, its slot); one that fills the slot returns True. The MoE routing
     model fills a ghost's token counts this way (moe/routing.py)."""
+    fresh_gathers: int = 0
+    """> 0 while the framework gathers in place into a freshly allocated buffer (ZeRO-3's parameter
+    gathers, hooks/deepspeed.py): ghost slots then have no last known value to keep, and the mirror
+    policy gives them copies of this rank's shard."""
 
     def __post_init__(self) -> None:
         bad = [v for v in self.physical.sandbox_ranks if not 0 <= v < self.world_size]

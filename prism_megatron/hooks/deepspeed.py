@@ -144,11 +144,10 @@ def _patch_param_gather(inst: Any) -> None:
     """ZeRO-3 gathers a parameter into a fresh flat buffer whose own slot already holds this rank's
     partition (in place). Under the mirror policy a ghost's slot of an in-place gather keeps what it
     held (right for megatron's persistent parameter buffer, which starts as the full model), but a
-    fresh buffer holds nothing yet: so every slot first gets a copy of this rank's partition, as the
-    mirror policy gives a ghost's data elsewhere; real members' slots are then overwritten by the
-    real gather. The copy stands in for the bytes the real all-gather writes into the buffer; it runs
-    before the backend's call, so a recorder counts it into the compute segment before the gather
-    (one device copy of the gathered size: small against the layer's compute, but not zero)."""
+    fresh buffer holds nothing yet (uninitialised memory: the loss was NaN). So DeepSpeed's one
+    gather function marks its calls (`session.fresh_gathers`), and the backend gives the ghost slots
+    copies of this rank's partition inside the operation, where a recorder counts the copy as the
+    collective's own local part (the replay replaces it by the modelled transfer), not as compute."""
     try:
         module = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
     except ImportError:
@@ -159,11 +158,14 @@ def _patch_param_gather(inst: Any) -> None:
 
     @functools.wraps(original)
     def _dist_allgather_fn(input_tensor, output_tensor, group=None):
-        part = input_tensor.numel()
-        if part and output_tensor.numel() % part == 0 and output_tensor.dtype == input_tensor.dtype:
-            source = input_tensor.detach().reshape(1, part).clone()
-            output_tensor.view(-1, part).copy_(source.expand(output_tensor.numel() // part, part))
-        return original(input_tensor, output_tensor, group)
+        session = inst.session
+        if session is None:
+            return original(input_tensor, output_tensor, group)
+        session.fresh_gathers += 1
+        try:
+            return original(input_tensor, output_tensor, group)
+        finally:
+            session.fresh_gathers -= 1
 
     inst.patch(module, "_dist_allgather_fn", _dist_allgather_fn)
 
