@@ -200,3 +200,20 @@ def test_a_deepspeed_pipeline_captured_stage_by_stage_has_the_real_runs_memory(t
         measured = json.loads((tmp_path / f"real{rank}.json").read_text())["peak_tracked_bytes"]
         assert g.peak_bytes == measured, (role, g.peak_bytes, measured)
         assert [graph.string(i) for i in g.spans["name"]].count("forward") == 4  # 8 / (2 x 1) microbatches
+
+
+def test_launch_runs_the_deepspeed_script_as_the_direct_run(tmp_path):
+    """`prism-megatron launch -- examples/deepspeed_train.py ... --prism-*`: the launcher installs the
+    hooks and the script's own install returns that installation: the same losses and memory as the
+    script run directly."""
+    job = ["--deepspeed-config", _config(2), "--global-batch-size", str(2 * N), "--train-iters", "2",
+           "--prism-virtual-world-size", str(N), "--prism-sandbox-ranks", "5"]
+    _run(job, tmp_path / "direct.json")
+    launched = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "launch", "--", str(SCRIPT),
+                               *MODEL, *job, "--prism-summary-json", str(tmp_path / "launched.json")],
+                              capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    direct = json.loads((tmp_path / "direct.json").read_text())
+    via = json.loads((tmp_path / "launched.json").read_text())
+    assert via["virtual_rank"] == 5 and via["virtual_world_size"] == N
+    assert via["losses"] == direct["losses"] and via["peak_tracked_bytes"] == direct["peak_tracked_bytes"]
