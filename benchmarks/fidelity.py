@@ -162,7 +162,9 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
                                         cluster, calibration)
     emus[0]["real_slowest_s_per_iteration"] = per_iteration
     emus[0]["real_allocator"] = allocators
-    if real and _routing_varies(name):  # compare the iteration the emulation timed, same routing
+    from prism_megatron.config import load_config
+
+    if real and load_config([], str(config)).moe.routing_varies:  # the iteration the emulation timed
         timed = emus[0]["sandbox"][0]["timed_iteration"] - 1
         real = [times[timed] for times in per_iteration]
     return real, peaks, emus
@@ -202,18 +204,6 @@ def _compute_by_name(path: Path, rank: int) -> dict[str, float]:
             key = g.strings[name]
             totals[key] = totals.get(key, 0.0) + seconds
     return totals
-
-
-def _routing_varies(name: str) -> bool:
-    """The config routes MoE tokens by a model whose counts differ per iteration (uniform draws, a
-    replayed log, drift): iterations differ in load, so the real figure is the same iteration's, not
-    the median over iterations."""
-    from prism_megatron.moe.imbalance import Imbalance
-
-    overrides = dict(o.split("=", 1) for o in CONFIGS[name][1])
-    spec = overrides.get("moe.imbalance", "none")
-    drift = float(overrides.get("moe.drift_per_iteration", 0))
-    return spec != "none" and Imbalance.parse(spec, drift_per_iteration=drift).varies_per_iteration
 
 
 def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> None:

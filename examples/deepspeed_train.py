@@ -22,7 +22,6 @@ gradients, optimizer state) as DeepSpeed holds them.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ from torch import nn
 import prism_megatron
 from prism_megatron.config import ConfigError
 from prism_megatron.config.flags import OneLineParser, add_megatron_args, add_prism_args, config_from_args
-from prism_megatron.util import atomic_write_text, per_rank_path
+from prism_megatron.util import prepare_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DS_CONFIG = os.path.join(REPO, "configs", "deepspeed", "zero2.json")
@@ -166,11 +165,7 @@ def train(args, cfg, inst, summary_path) -> None:
     from prism_megatron.hooks.deepspeed import model_state_bytes
 
     device = inst.device
-    if "RANK" not in os.environ:  # plain `python`, not torchrun: a world of one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    prepare_process(device)  # plain `python` is a world of one; on cuda, the LOCAL_RANK's GPU
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     m, stages = cfg.model, cfg.parallel.pp
     torch.manual_seed(cfg.train.seed)
@@ -212,26 +207,9 @@ def train(args, cfg, inst, summary_path) -> None:
               f"grad norm: {summary['grad_norms'][-1]} | iteration time (ms): {elapsed_ms:.1f}", flush=True)
     summary["model_state_bytes"] = model_state_bytes(engine)
     summary["model_state_peak_bytes"] = getattr(engine, "prism_model_state_peak_bytes", None)
-    key = "peak_tracked_bytes" if inst.tracker is not None else "peak_allocated_bytes"
-    summary[key] = int(inst.peak_memory_bytes())
-    if inst.tracker is not None:
-        summary["memory"] = inst.tracker.snapshot()
-    if inst.session is not None:
-        summary["comm"] = inst.session.log.rows()
-    if summary_path:
-        atomic_write_text(per_rank_path(summary_path, rank), json.dumps(summary, indent=1))
-    finite = [x for x in summary["losses"] + summary["grad_norms"] if x is not None]
-    if not all(math.isfinite(x) for x in finite):
+    if not inst.write_summary(summary, summary_path):
         print(f"error: non-finite loss or grad norm on rank {rank}", file=sys.stderr)
         sys.exit(1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv=None) -> int:

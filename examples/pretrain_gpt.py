@@ -20,8 +20,6 @@ null, and the gradient norm (computed by every rank) is the figure to watch ther
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 import time
@@ -38,7 +36,7 @@ from prism_megatron.config.flags import (
     add_prism_args,
     config_from_args,
 )
-from prism_megatron.util import atomic_write_text, per_rank_path
+from prism_megatron.util import prepare_process
 
 
 def build_model(cfg, device):
@@ -146,11 +144,7 @@ def train(cfg, inst, summary_path):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     device = inst.device
-    if "RANK" not in os.environ:  # plain `python`, not torchrun: a world of one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    prepare_process(device)  # plain `python` is a world of one; on cuda, the LOCAL_RANK's GPU
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
     p = cfg.parallel
     ps.initialize_model_parallel(
@@ -214,14 +208,6 @@ def train(cfg, inst, summary_path):
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _pipeline_loss(losses, pp_group, last_stage, inst, device):
     """Mean lm loss of the iteration, from the last pipeline stage (None if that stage is a ghost).
 
@@ -239,20 +225,9 @@ def _pipeline_loss(losses, pp_group, last_stage, inst, device):
 
 
 def _finish(summary, inst, summary_path):
-    key = "peak_tracked_bytes" if inst.tracker is not None else "peak_allocated_bytes"
-    summary[key] = int(inst.peak_memory_bytes())
-    if inst.tracker is not None:
-        summary["memory"] = inst.tracker.snapshot()
-    if inst.session is not None:
-        summary["comm"] = inst.session.log.rows()
-    if summary_path:
-        atomic_write_text(per_rank_path(summary_path, summary["virtual_rank"]),
-                          json.dumps(summary, indent=1))
-    finite = [x for x in summary["losses"] + summary["grad_norms"] if x is not None]
-    if not all(math.isfinite(x) for x in finite):
+    if not inst.write_summary(summary, summary_path):
         print(f"error: non-finite loss or grad norm on rank {summary['virtual_rank']}", file=sys.stderr)
         sys.exit(1)
-
 
 def main(argv=None) -> int:
     parser = OneLineParser(prog="pretrain_gpt.py", description=__doc__.splitlines()[0])

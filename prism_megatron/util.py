@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes."""
+"""Small shared helpers: atomic file writes, per-rank paths, a free port, a process's launch environment."""
 
 from __future__ import annotations
 
@@ -40,3 +40,25 @@ def per_rank_path(path: str, virtual_rank: int) -> str:
         stem, ext = os.path.splitext(path)
         return f"{stem}.rank{virtual_rank}{ext}"
     return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_process(device: str) -> None:
+    """Before `init_process_group` in a training script: run under plain `python` (not torchrun), the
+    process is a world of one (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set); on cuda it takes
+    the GPU of its LOCAL_RANK."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

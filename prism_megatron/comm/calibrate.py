@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import time
 from typing import Optional
 
+from prism_megatron.util import free_port
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _time_op(dist, torch, op: str, nbytes: int, members: list[int], group, rank: int, device: str,
@@ -169,7 +164,7 @@ def calibrate(device: str, nproc: int, min_bytes: int, max_bytes: int, out: str,
         s *= 2
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "points.json")
-        mp.start_processes(_worker, args=(nproc, device, _free_port(), sizes, raw, min_time_s),
+        mp.start_processes(_worker, args=(nproc, device, free_port(), sizes, raw, min_time_s),
                            nprocs=nproc, join=True, start_method="spawn")
         with open(raw) as handle:
             points = json.load(handle)

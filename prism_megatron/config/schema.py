@@ -334,6 +334,12 @@ class MoeConfig:
 
         return Imbalance.parse(self.imbalance, self.seed, self.drift_per_iteration)
 
+    @property
+    def routing_varies(self) -> bool:
+        """Whether an imbalance model routes and its counts differ per iteration (uniform draws, a
+        replayed log, drift): iterations then do not run the same work."""
+        return self.imbalance != "none" and self.model().varies_per_iteration
+
 
 @dataclass(kw_only=True)
 class PrismConfig:

@@ -38,7 +38,7 @@ from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable
 from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
-from prism_megatron.util import atomic_write_text
+from prism_megatron.util import atomic_write_text, free_port
 
 
 class EmulationFailed(RuntimeError):
@@ -182,7 +182,7 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
            "--prism-summary-json", str(out / "summary{rank}.json")]
     if len(ranks) > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),
-               "--master-port", str(_free_port()), *job]
+               "--master-port", str(free_port()), *job]
     else:
         cmd = [sys.executable, *job]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -293,27 +293,18 @@ def _span_s(g: RoleGraph) -> float:
     return float((cols["start_s"] + cols["duration_s"]).max()) if len(cols["start_s"]) else 0.0
 
 
-def _framework_of(config_yaml: str) -> str:
+def _train_field(config_yaml: str, key: str, default: str) -> str:
+    """`train.<key>` of a job config's YAML text (`default` when absent or unreadable)."""
     try:
         cfg = yaml.safe_load(config_yaml) or {}
-        return str((cfg.get("train") or {}).get("framework") or "megatron")
+        return str((cfg.get("train") or {}).get(key) or default)
     except (yaml.YAMLError, AttributeError):
-        return "megatron"
+        return default
+
+
+def _framework_of(config_yaml: str) -> str:
+    return _train_field(config_yaml, "framework", "megatron")
 
 
 def _device_of(config_yaml: str) -> str:
-    import yaml
-
-    try:
-        cfg = yaml.safe_load(config_yaml) or {}
-        return str((cfg.get("train") or {}).get("device") or "cpu")
-    except (yaml.YAMLError, AttributeError):
-        return "cpu"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _train_field(config_yaml, "device", "cpu")

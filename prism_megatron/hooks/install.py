@@ -108,6 +108,26 @@ class Installation:
             return self.runtime.tracker.peak_allocated_bytes
         return int(torch.cuda.max_memory_allocated())
 
+    def write_summary(self, summary: dict, path: Optional[str]) -> bool:
+        """Complete a training script's per-rank summary with this rank's peak memory (exact tracker
+        on CPU: `peak_tracked_bytes` and the category snapshot; GPU: `peak_allocated_bytes`) and its
+        communication counts, and write it atomically to `path` (`{rank}`: the virtual rank) if given.
+        Returns whether every recorded loss and grad norm is finite."""
+        import math
+
+        from prism_megatron.util import atomic_write_text, per_rank_path
+
+        key = "peak_tracked_bytes" if self.tracker is not None else "peak_allocated_bytes"
+        summary[key] = int(self.peak_memory_bytes())
+        if self.tracker is not None:
+            summary["memory"] = self.tracker.snapshot()
+        if self.session is not None:
+            summary["comm"] = self.session.log.rows()
+        if path:
+            atomic_write_text(per_rank_path(path, summary["virtual_rank"]), json.dumps(summary, indent=1))
+        values = [x for x in summary.get("losses", []) + summary.get("grad_norms", []) if x is not None]
+        return all(math.isfinite(x) for x in values)
+
     def patch(self, owner: Any, name: str, value: Any) -> None:
         self._patches.patch(owner, name, value)
 

@@ -62,19 +62,6 @@ def memory_figures(inst: Any) -> dict[str, Any]:
             "memory_source": "cuda-allocator"}
 
 
-def _loads_vary(cfg: Any) -> bool:
-    """Whether MoE routing differs per iteration (then iterations do not run the same work)."""
-    from prism_megatron.moe.imbalance import Imbalance
-
-    spec = getattr(getattr(cfg, "moe", None), "imbalance", "none") or "none"
-    if spec == "none":
-        return False
-    try:
-        return Imbalance.parse(spec, drift_per_iteration=cfg.moe.drift_per_iteration).varies_per_iteration
-    except ValueError:
-        return True
-
-
 def write_role_graph(inst: Any) -> str:
     """Build the recorded iteration's graph for this rank's role and save it to `trace.path`."""
     from prism_megatron.config.loader import to_yaml
@@ -88,7 +75,7 @@ def write_role_graph(inst: Any) -> str:
     path = per_rank_path(cfg.trace.path, rank)
     strings = StringTable()
     selection = cfg.trace.selection
-    if selection == "node-median" and _loads_vary(cfg):  # iterations differ in their work: pick one
+    if selection == "node-median" and cfg.moe.routing_varies:  # iterations differ in their work: pick one
         selection = "median"
     median = inst.recorder.median_iteration() if selection != "last" else None
     pool = inst.recorder.steady_iterations() if selection == "node-median" and median is not None else ()
