@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,12 +66,6 @@ SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(device: str) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if device == "cpu":
@@ -98,11 +91,12 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
     rank -> peak allocated bytes, the slowest rank's time per iteration, and rank -> the caching
     allocator's cumulative counters per iteration (GPU)."""
     from prism_megatron.capture.run import script_for
+    from prism_megatron.util import free_port
 
     framework = (yaml.safe_load(config.read_text()).get("train") or {}).get("framework", "megatron")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-         str(_port()), str(script_for(framework)), "--prism-config", str(config),
+         str(free_port()), str(script_for(framework)), "--prism-config", str(config),
          "--prism-summary-json", str(out / "summary{rank}.json")],
         capture_output=True, text=True, env=_env(device), cwd=REPO, timeout=3600)
     if proc.returncode:
@@ -221,7 +215,7 @@ def _calibration(args, nproc: int):
 
     path = args.calibration
     if path is None and args.device == "cuda":
-        path = str(REPO / "benchmarks" / "results" / "calibration-h200x2-2026-11-30.json")
+        path = str(REPO / "benchmarks" / "results" / "calibration-h200x2-2026-11-30-device.json")
     if path:
         return Calibration.from_json(Path(path).read_text()), path
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,7 +234,7 @@ def main() -> int:
                                                         "cuda, cpu_host on cpu)")
     parser.add_argument("--calibration", default=None,
                         help="network calibration (default: on cpu, measured here first with gloo; on cuda, "
-                             "benchmarks/results/calibration-h200x2-2026-11-30.json)")
+                             "benchmarks/results/calibration-h200x2-2026-11-30-device.json)")
     parser.add_argument("--realtime", action="store_true",
                         help="the last emulation of each config also runs with the realtime clock")
     parser.add_argument("--no-real", action="store_true",

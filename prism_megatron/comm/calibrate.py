@@ -4,11 +4,17 @@ P worker processes (one per GPU with NCCL, or P CPU processes with gloo) time al
 reduce_scatter, broadcast, all_to_all and send/recv for sizes from `min_bytes` to `max_bytes` (powers
 of two; sizes in nccl-tests' convention), for every group size k dividing P (P/k groups at once, as
 the groups of one parallel dim run together). Each figure is the median of several timed repetitions
-after warm-up, bracketed by a barrier, measured with CUDA events on GPU (perf_counter on CPU), and the
-slowest rank's. On CPU the workers run under the hooks of a recorded CPU run (the CPU runtime with its
-0.5 ms settle after each blocking wait, the prism backend over gloo, the recorder), so the costs are
-those the recorded CPU runs pay (p2p without the settle, which a recording charges to the next
-compute); on GPU they call NCCL directly, as production does.
+after warm-up, bracketed by a barrier, and the slowest rank's. On GPU a repetition is timed as
+nccl-tests time it, on the device: a small all-reduce of the group first aligns its devices (so the
+processes' skew in leaving the barrier is not timed), then `DEVICE_BATCH` operations are enqueued back
+to back between two CUDA events and the figure is their mean: in training the host runs ahead and a
+collective starts on the device as soon as its inputs are ready, so the host's launch gap and the
+peers' host skew that one isolated, synchronized operation shows (measured on 2 H200: 85-95 us for
+any all-reduce up to 1 MiB; timed this way, 37-40 us) are not part of its cost. On CPU the figure
+is perf_counter around one operation, and the workers run under the hooks of a recorded CPU run (the
+CPU runtime with its 0.5 ms settle after each blocking wait, the prism backend over gloo, the
+recorder), so the costs are those the recorded CPU runs pay (p2p without the settle, which a recording
+charges to the next compute); on GPU they call NCCL directly, as production does.
 Rank 0 writes the points, the fitted (latency, bus bandwidth) per (op, link, group size) and a table
 of model against measurement to a JSON file, atomically. All processes of this machine are one node,
 so every fit is for the `intra` link kind.
@@ -25,6 +31,7 @@ from typing import Optional
 from prism_megatron.util import free_port
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
+DEVICE_BATCH = 20  # operations per timed GPU repetition (nccl-tests' default `-n 20`)
 
 
 def _time_op(dist, torch, op: str, nbytes: int, members: list[int], group, rank: int, device: str,
@@ -62,16 +69,20 @@ def _time_op(dist, torch, op: str, nbytes: int, members: list[int], group, rank:
     for _ in range(2):
         run()
     sync()
+    gate = torch.zeros(1, dtype=torch.float32, device=device)
+
     def timed() -> float:
         dist.barrier()
         sync()
         if device == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.all_reduce(gate, group=group)  # the stream waits for it: the group's devices aligned
             begin.record()
-            run()
+            for _ in range(DEVICE_BATCH):
+                run()
             end.record()
             sync()
-            return begin.elapsed_time(end) * 1e-3
+            return begin.elapsed_time(end) * 1e-3 / DEVICE_BATCH
         t0 = time.perf_counter()
         run()
         return time.perf_counter() - t0
