@@ -14,6 +14,12 @@ size and the gradient accumulation steps (global batch / (micro batch x data-par
 Megatron) go into the DeepSpeed config. Data is mock: token ids drawn from a generator seeded by
 (seed, iteration, data-parallel rank, microbatch), so every run sees the same.
 
+With `--num-experts E --expert-model-parallel-size EP` every block's MLP is a DeepSpeed-MoE layer
+(top-`--moe-router-topk` gating; `--moe-expert-capacity-factor` drops what exceeds the capacity, by
+default it is dropless) and `--prism-moe-imbalance` routes its tokens by an imbalance model, e.g. rank
+37 of EP64: `... --num-experts 64 --expert-model-parallel-size 64 --prism-virtual-world-size 64
+--prism-sandbox-ranks 37 --prism-moe-imbalance "zipf(1.2)" --prism-moe-log-path moe{rank}.jsonl`.
+
 The summary (`--prism-summary-json`) holds per-iteration losses, grad norms and times, the tracked
 peak memory (CPU) or the allocator's peak (GPU), and this rank's model-state bytes (parameters,
 gradients, optimizer state) as DeepSpeed holds them.
@@ -39,28 +45,60 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DS_CONFIG = os.path.join(REPO, "configs", "deepspeed", "zero2.json")
 
 
+AUX_LOSS_COEFF = 1e-2  # DeepSpeed-MoE's load-balancing loss weight (Megatron's --moe-aux-loss-coeff)
+
+
+def mlp(hidden: int, ffn: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
+    """Pre-norm attention and MLP; with `moe` (a dict of the model config's MoE fields) the MLP is a
+    DeepSpeed-MoE layer: `num_experts` experts over `ep` ranks, top-k gating, the capacity factor or
+    dropless. Its forward returns the output and the MoE aux loss (0 for a dense block)."""
+
+    def __init__(self, hidden: int, heads: int, moe: dict | None = None) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(hidden)
         self.self_attention = nn.MultiheadAttention(hidden, heads, batch_first=True)
         self.pre_mlp_layernorm = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        if moe:
+            from deepspeed.moe.layer import MoE
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            factor = moe["capacity_factor"]
+            self.mlp = MoE(hidden, mlp(hidden, moe["ffn"]), num_experts=moe["experts"], ep_size=moe["ep"],
+                           k=moe["topk"], capacity_factor=factor or 1.0, eval_capacity_factor=factor or 1.0,
+                           drop_tokens=factor is not None)
+        else:
+            self.mlp = mlp(hidden, 4 * hidden)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.input_layernorm(x)
         x = x + self.self_attention(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        out = self.mlp(self.pre_mlp_layernorm(x))
+        if isinstance(out, tuple):  # DeepSpeed-MoE: (output, aux loss, expert counts)
+            return x + out[0], out[1]
+        return x + out, x.new_zeros(())
+
+
+def moe_of(cfg) -> dict | None:
+    m = cfg.model
+    if not m.num_experts:
+        return None
+    return {"experts": m.num_experts, "ep": cfg.parallel.ep, "topk": m.moe_router_topk,
+            "ffn": m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size,
+            "capacity_factor": m.moe_expert_capacity_factor}
 
 
 class TinyGPT(nn.Module):
     """Token and position embeddings, pre-norm transformer blocks, final norm, untied output layer."""
 
-    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, seq: int) -> None:
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, seq: int,
+                 moe: dict | None = None) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab, hidden)
         self.position_embedding = nn.Embedding(seq, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, heads, moe) for _ in range(layers))
         self.final_layernorm = nn.LayerNorm(hidden)
         self.output_layer = nn.Linear(hidden, vocab, bias=False)
         self.register_buffer("causal", torch.full((seq, seq), float("-inf")).triu(1), persistent=False)
@@ -69,10 +107,13 @@ class TinyGPT(nn.Module):
         s = tokens.shape[1]
         x = self.embedding(tokens) + self.position_embedding(torch.arange(s, device=tokens.device))
         mask = self.causal[:s, :s].to(x.dtype)
+        aux = x.new_zeros(())
         for layer in self.layers:
-            x = layer(x, mask)
+            x, layer_aux = layer(x, mask)
+            aux = aux + layer_aux
         logits = self.output_layer(self.final_layernorm(x))
-        return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        loss = nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        return loss + AUX_LOSS_COEFF * aux.float()
 
 
 def accumulation_steps(cfg, dp: int) -> int:
@@ -100,7 +141,7 @@ class BlockPipe(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
-        return super().forward(x, self.causal[:s, :s].to(x.dtype))
+        return super().forward(x, self.causal[:s, :s].to(x.dtype))[0]
 
 
 class HeadPipe(nn.Module):
@@ -170,14 +211,21 @@ def train(args, cfg, inst, summary_path) -> None:
     m, stages = cfg.model, cfg.parallel.pp
     torch.manual_seed(cfg.train.seed)
     if stages > 1:
+        if m.num_experts:
+            raise ConfigError("this example's pipeline model has no MoE layers; drop model.num_experts "
+                              "or use --pipeline-model-parallel-size 1")
         model = pipeline_model(cfg, stages)
     else:
-        model = TinyGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.seq_length)
+        model = TinyGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.seq_length,
+                        moe_of(cfg))
     dp = dist.get_world_size() // stages  # ZeRO's data parallelism: the world, over the stages
     config = ds_config(args, cfg, dp)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                          if p.requires_grad],
-                                           config=config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if m.num_experts:  # ZeRO keeps expert parameters in their own groups (expert data parallelism)
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "params"})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     rank = dist.get_rank()
     dp_rank = engine.grid.get_data_parallel_rank() if stages > 1 else rank
     summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(),

@@ -58,6 +58,8 @@ def build_model(cfg, device):
                    moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size,
                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+        if m.moe_expert_capacity_factor is not None:
+            moe.update(moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_drop_policy="probs")
     config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, tensor_model_parallel_size=p.tp,

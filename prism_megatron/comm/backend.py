@@ -147,9 +147,29 @@ class PrismGroup(dist.ProcessGroup):
         if self.has_peers:
             self._inner(tensors[0]).allreduce(tensors, inner_reduce_opts(dist.AllreduceOptions, op)).wait()
         for i, t in enumerate(tensors):
-            self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
-                                                 gen_factory=self._gen(t.device, seq, i))
+            if not self._reduce_provided(t, op):
+                self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
+                                                     gen_factory=self._gen(t.device, seq, i))
         return done(tensors)
+
+    def _reduce_provided(self, out: torch.Tensor, op: ReduceOp) -> bool:
+        """Fold in the ghosts' part from a provider (session.ghost_reductions) if one knows it."""
+        providers = self.session.ghost_reductions
+        if not providers or not self.ghosts or op not in (ReduceOp.MAX, ReduceOp.MIN, ReduceOp.SUM):
+            return False
+        ghosts = [self.members[g] for g in self.ghosts]
+        for provide in providers:
+            part = provide("all_reduce", self.members, ghosts, out, op)
+            if part is not None:
+                part = part.to(device=out.device, dtype=out.dtype).reshape(out.shape)
+                if op == ReduceOp.MAX:
+                    torch.maximum(out, part, out=out)
+                elif op == ReduceOp.MIN:
+                    torch.minimum(out, part, out=out)
+                else:
+                    out.add_(part)
+                return True
+        return False
 
     @operation
     def allreduce_coalesced(self, tensors, opts=None):

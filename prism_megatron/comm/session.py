@@ -86,6 +86,13 @@ class VirtualSession:
     """Providers of what a ghost contributes, asked before the ghost policy: called with (op, group
     members, the ghost's virtual rank, its slot); one that fills the slot returns True. The MoE routing
     model fills a ghost's token counts this way (moe/routing.py)."""
+    ghost_reductions: list[Callable[[str, tuple[int, ...], list[int], torch.Tensor, object],
+                                    Optional[torch.Tensor]]] = field(default_factory=list)
+    """Providers of the ghosts' part of a reduction, asked before the ghost policy: called with (op,
+    group members, the ghosts' virtual ranks, this rank's tensor, the ReduceOp); one that knows returns
+    the ghosts' contributions reduced by that op (a tensor like the input), else None. DeepSpeed-MoE's
+    dropless capacity (the maximum expert load over the expert-parallel group) comes this way from the
+    routing model (moe/deepspeed_routing.py)."""
     fresh_gathers: int = 0
     """> 0 while the framework gathers in place into a freshly allocated buffer (ZeRO-3's parameter
     gathers, hooks/deepspeed.py): ghost slots then have no last known value to keep, and the mirror

@@ -51,6 +51,7 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--num-experts": "model.num_experts",
     "--moe-router-topk": "model.moe_router_topk",
     "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
+    "--moe-expert-capacity-factor": "model.moe_expert_capacity_factor",
     "--vocab-size": "model.vocab_size",
     "--seq-length": "model.seq_length",
     "--num-query-groups": "model.num_query_groups",

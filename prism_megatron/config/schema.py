@@ -147,6 +147,12 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None
     """Hidden size of each expert MLP (--moe-ffn-hidden-size); None: ffn_hidden_size."""
 
+    moe_expert_capacity_factor: Optional[float] = None
+    """Expert capacity as a multiple of the balanced load (--moe-expert-capacity-factor): assignments
+    beyond it are dropped (megatron: token drop policy `probs`; DeepSpeed-MoE: the gate's
+    `capacity_factor` with `drop_tokens=True`). None: dropless, megatron's default (DeepSpeed:
+    `drop_tokens=False`, the capacity follows the most loaded expert of the expert-parallel group)."""
+
     vocab_size: int = 256
     """Vocabulary size (--vocab-size); padded like Megatron-LM to a multiple of 128 * tp."""
 
@@ -187,6 +193,9 @@ class ModelConfig:
                           moe_router_topk=self.moe_router_topk, vocab_size=self.vocab_size,
                           seq_length=self.seq_length, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
                           num_query_groups=self.num_query_groups)
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            raise ConfigError(f"model.moe_expert_capacity_factor={self.moe_expert_capacity_factor}; expected "
+                              f"a number > 0 (e.g. 1.25), or null for dropless routing")
         if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"model.num_attention_heads({self.num_attention_heads}) is not divisible by "
                               f"model.num_query_groups({self.num_query_groups})")

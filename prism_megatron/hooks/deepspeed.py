@@ -16,6 +16,8 @@ What this module adds, around `deepspeed.initialize` and the engine it returns:
 - memory categories of the engine's model states: parameters (the bit16 flat groups; under ZeRO-3
   each parameter's partition `ds_tensor`), the fp32 master partitions and the optimizer state
   (`optimizer`), and gradients (`grads`) as DeepSpeed allocates them, re-labelled after every step;
+- DeepSpeed-MoE layers routed by `moe.imbalance` and logged to `moe.log_path`
+  (moe/deepspeed_routing.py), the dropless capacity exchange answered for ghosts from the model;
 - DeepSpeed's CPU shared-memory all-reduce is not built under a virtual world: its ranks are not
   processes of one machine (the op would be compiled at startup for nothing).
 
@@ -96,6 +98,10 @@ def _patch(inst: Any, session_of: Callable[[], Any]) -> None:
         if session is not None and session.world is None:
             session.world = _world_of(inst.cfg, session.world_size)
         _EngineHooks(inst, engine).attach()
+        if inst.routing is not None or inst.cfg.moe.log_path:
+            from prism_megatron.hooks.install import deepspeed_moe
+
+            deepspeed_moe(inst, engine)
         return result
 
     inst.patch(deepspeed, "initialize", initialize)

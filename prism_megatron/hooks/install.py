@@ -89,6 +89,9 @@ class Installation:
     routing: Optional[Any] = None
     """The RoutingState of this process's routers (moe.imbalance), whose provider fills ghosts'
     token counts."""
+    ds_routing: Optional[Any] = None
+    """DeepSpeed-MoE's steered gates (moe/deepspeed_routing.py), made with the first engine that has
+    MoE layers when moe.imbalance routes the tokens."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _handles: list = field(default_factory=list, repr=False)
     _exits: list = field(default_factory=list, repr=False)
@@ -260,15 +263,32 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         inst._exits.append(lambda: mode.__exit__(None, None, None))
 
 
-def _moe_log(inst: Installation):
-    """This rank's MoE load log (moe.log_path), made on the first model chunk, closed at uninstall."""
+def _moe_log(inst: Installation, microbatches=None):
+    """This rank's MoE load log (moe.log_path), made on the first model chunk, closed at uninstall;
+    `microbatches` per iteration: megatron's by default."""
     if inst.moe_log is None:
         from prism_megatron.moe.loadlog import MoeLoadLog, memory_reader
 
-        inst.moe_log = MoeLoadLog(inst.cfg.moe.log_path, dist.get_rank, _microbatches(inst.cfg),
-                                  memory_reader(inst.tracker))
+        inst.moe_log = MoeLoadLog(inst.cfg.moe.log_path, dist.get_rank,
+                                  microbatches or _microbatches(inst.cfg), memory_reader(inst.tracker))
         inst._exits.append(inst.moe_log.close)
     return inst.moe_log
+
+
+def deepspeed_moe(inst: Installation, engine: Any) -> None:
+    """DeepSpeed-MoE layers of an engine's model: routed by the imbalance model (moe.imbalance) and
+    logged (moe.log_path); moe/deepspeed_routing.py. A microbatch is a gradient-accumulation step."""
+    from prism_megatron.moe import deepspeed_routing as dsr
+
+    gates = []
+    microbatches = engine.gradient_accumulation_steps
+    if inst.routing is not None:
+        if inst.ds_routing is None:
+            inst.ds_routing = dsr.DeepSpeedRouting(inst)
+        gates = inst.ds_routing.attach(engine.module, dist.get_rank, microbatches)
+        inst.routers += gates
+    if inst.cfg.moe.log_path:
+        inst._handles += dsr.attach_load_log(_moe_log(inst, microbatches), engine.module, gates)
 
 
 def _route_by_model(inst: Installation, model: torch.nn.Module) -> None:

@@ -9,6 +9,9 @@ receive), and the MoE layer's end (memory then). One line per MoE layer and micr
      rank's assignments to every expert], "dropped": assignments the capacity factor dropped here,
      "memory": {allocated, reserved, peak, and on CPU the categories}}
 
+DeepSpeed-MoE layers are logged alike (moe/deepspeed_routing.py: `attach_load_log`), with the
+call's expert `capacity` added.
+
 The logs of every rank of a run are a routing trace: `moe.imbalance=replay(<log path with {rank}>)`
 routes each source rank's tokens as it routed them then (moe/imbalance.py).
 
@@ -90,6 +93,8 @@ class MoeLoadLog:
                    "tokens": seen.get("tokens", []), "routed": seen.get("routed"),
                    "routed_per_expert": seen.get("routed_per_expert", []),
                    "dropped": seen.get("dropped"), "memory": self._memory()}
+            if "capacity" in seen:  # DeepSpeed-MoE: the expert capacity of this call (tokens)
+                row["capacity"] = seen["capacity"]
             self.rows.append(row)
             self._write(row)
         return hook
