@@ -113,3 +113,32 @@ def test_replay_of_a_logged_run_gives_a_sandbox_the_real_tokens(tmp_path):
 
     want, got = tokens(tmp_path / "real2.jsonl"), tokens(tmp_path / "replay2.jsonl")
     assert len(got) == 12 and got == want
+
+
+def test_with_a_capacity_factor_a_sandbox_receives_the_kept_tokens_the_real_rank_receives(tmp_path):
+    """megatron drops what exceeds the capacity (probs policy); the ghosts' counts in the dispatcher's
+    exchange are then the kept ones, min(load, capacity), so the sandbox's experts get what the real
+    rank's got."""
+    job = [*JOB, "--moe-expert-capacity-factor", "1.0",
+           "--prism-moe-log-path", str(tmp_path / "{rank}.jsonl")]
+    real = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+         str(_port()), EXAMPLE, *job, "--prism-summary-json", str(tmp_path / "real{rank}.json")],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert real.returncode == 0, real.stderr[-3000:]
+    rank = 3
+    real_lines = [json.loads(x) for x in (tmp_path / f"{rank}.jsonl").read_text().splitlines()]
+    (tmp_path / f"{rank}.jsonl").rename(tmp_path / "real.jsonl")
+    alone = subprocess.run(
+        [sys.executable, EXAMPLE, *job, "--prism-virtual-world-size", "4", "--prism-sandbox-ranks", str(rank),
+         "--prism-summary-json", str(tmp_path / "sandbox.json")],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / f"{rank}.jsonl").read_text().splitlines()]
+    assert sum(x["dropped"] for x in real_lines) > 0  # the capacity bites
+    capacity = 2 * 32 * 2 // 8  # ceil(tokens x top-k / experts x 1.0) per source
+    for got, want in zip(lines, real_lines, strict=True):
+        assert got["tokens"] == want["tokens"] and max(want["tokens"]) <= 4 * capacity
+        assert (got["routed"], got["dropped"]) == (want["routed"], want["dropped"])
+    assert (json.loads((tmp_path / "sandbox.json").read_text())["peak_tracked_bytes"]
+            == json.loads((tmp_path / f"real{rank}.json").read_text())["peak_tracked_bytes"])

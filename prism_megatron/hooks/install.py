@@ -187,7 +187,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     if cfg.moe.imbalance != "none":
         from prism_megatron.moe.routing import RoutingState
 
-        inst.routing = RoutingState(cfg.moe.model())
+        inst.routing = RoutingState(cfg.moe.model(), cfg.model.moe_expert_capacity_factor)
     if device == "cpu":
         inst.runtime = CpuRuntime().activate()
     activate_local_specs(inst._patches)

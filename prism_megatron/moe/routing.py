@@ -15,6 +15,7 @@ backward; it is not supported (the counts would advance) and is refused.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import numpy as np
@@ -32,8 +33,9 @@ class RoutingState:
     what the model gives for the ghost as source, so the sandbox's output splits, the tokens its
     experts receive and the memory they allocate are those of the modelled routing."""
 
-    def __init__(self, model: Imbalance) -> None:
+    def __init__(self, model: Imbalance, capacity_factor: Optional[float] = None) -> None:
         self.model = model
+        self.capacity_factor = capacity_factor  # model.moe_expert_capacity_factor: megatron drops
         self.last: Optional[dict] = None  # keyword arguments of the latest counts() call
 
     def provide(self, op: str, members: tuple[int, ...], ghost: int, slot: torch.Tensor) -> bool:
@@ -41,6 +43,11 @@ class RoutingState:
         if op != "all_gather" or last is None or slot.dtype != torch.long or slot.numel() != last["experts"]:
             return False
         counts = self.model.counts(**{**last, "source": ghost})
+        if self.capacity_factor is not None:  # what megatron keeps per expert: min(load, capacity)
+            t, k, e = last["tokens"], last["topk"], last["experts"]
+            capacity = math.ceil(t * k / e * self.capacity_factor)
+            if capacity < t:
+                counts = np.minimum(counts, capacity)
         slot.copy_(torch.from_numpy(counts).view(slot.shape))
         return True
 
