@@ -8,6 +8,8 @@
     prism-megatron export GRAPH [--perfetto PATH --ranks R,...] [--chakra DIR --ranks R,...]
                                                                          Perfetto / Chakra ET exports
     prism-megatron simulate GRAPH [cluster=NAME] [cluster.KEY=V] [slowdown.RANK=F] [calibration=F]
+    prism-megatron faults GRAPH --inject "slow(4711, 1.5); link(node3, 2)" [--heatmap PNG] [--json PATH]
+    prism-megatron faults GRAPH --fit LOG.json [--candidates all]
                    [microbatches=M] [--json PATH] [--csv PATH] [--perfetto PATH --ranks R,...]
                                                                          replay all N ranks (DES)
     prism-megatron emulate GRAPH --out DIR [--sandbox first-stage,4711] [cluster=NAME] [--json PATH]
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("capture", "capture the full-scale execution graph by running roles as slices"),
                        ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files"),
                        ("simulate", "replay a captured graph over all N ranks on a modelled cluster"),
+                       ("faults", "inject stragglers, throttling, slow links or host stalls into the replay "
+                                  "and report their impact; or --fit the straggler behind a measured log"),
                        ("calibrate", "time real collectives here and fit the network cost model"),
                        ("emulate", "run sandbox ranks for real, the other ranks replayed from the graph"),
                        ("run", "capture (if not cached), simulate and emulate a config"),
@@ -69,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--min-bytes", default="1KiB", help="smallest size (default 1KiB)")
             cmd.add_argument("--max-bytes", default=None, help="largest size (default 1GiB; 64MiB on CPU)")
             cmd.add_argument("--out", required=True, help="calibration JSON to write")
+            continue
+        if name == "faults":
+            from prism_megatron.faults.cli import add_arguments
+
+            add_arguments(cmd)
             continue
         if name == "simulate":
             cmd.add_argument("graph", help="graph file written by `capture`")
@@ -395,6 +404,12 @@ def _cmd_moe_check(args) -> int:
     return moe_check_command(args)
 
 
+def _cmd_faults(args) -> int:
+    from prism_megatron.faults.cli import run
+
+    return run(args)
+
+
 def _critical_summary(path: list) -> dict:
     """Time on the critical path by kind of node, and its length."""
     share: dict[str, float] = {}
@@ -455,7 +470,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = {"train": _cmd_train, "world": _cmd_world, "config": _cmd_config,
                 "capture": _cmd_capture, "export": _cmd_export, "simulate": _cmd_simulate,
                 "calibrate": _cmd_calibrate, "emulate": _cmd_emulate, "run": _cmd_run,
-                "moe-check": _cmd_moe_check, "sweep": _cmd_sweep, "report": _cmd_report}
+                "moe-check": _cmd_moe_check, "sweep": _cmd_sweep, "report": _cmd_report,
+                "faults": _cmd_faults}
     try:
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:

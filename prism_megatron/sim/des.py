@@ -116,16 +116,21 @@ class Simulator:
     def __init__(self, graph: ExecutionGraph, cost: CostModel, *,
                  slowdown: Optional[dict[int, float]] = None, per_rank: bool = False,
                  rank_graphs: Optional[dict[int, RoleGraph]] = None,
-                 start_s: Optional[dict[int, float]] = None, share_bandwidth: bool = True) -> None:
+                 start_s: Optional[dict[int, float]] = None, share_bandwidth: bool = True,
+                 link_slowdown: Optional[dict[int, float]] = None) -> None:
         """`rank_graphs`: graphs of individual ranks (recorded on every rank of a real run) that
         replace their role's graph; they use `graph.strings`. `start_s`: when those ranks began the
         iteration (default 0: all together); a rank's iteration time is counted from its start.
-        `share_bandwidth`: concurrent transfers of a rank on one link share it (sim/sharing.py)."""
+        `share_bandwidth`: concurrent transfers of a rank on one link share it (sim/sharing.py).
+        `slowdown`: rank -> factor on its compute; `link_slowdown`: rank -> factor on the transfer
+        time of every operation it takes part in (a degraded link or NIC: a ring or a pair moves at
+        its slowest member's pace). Both split classes only where they reach (faults/)."""
         self.graph, self.cost, self.world = graph, cost, graph.world
         self.rank_graphs = dict(rank_graphs or {})
         self.start_s = {int(k): float(v) for k, v in (start_s or {}).items()}
         self.slowdown = {int(k): float(v) for k, v in (slowdown or {}).items()}
-        bad = [r for r in self.slowdown if not 0 <= r < self.world.world_size]
+        self.link_slowdown = {int(k): float(v) for k, v in (link_slowdown or {}).items()}
+        bad = [r for r in [*self.slowdown, *self.link_slowdown] if not 0 <= r < self.world.world_size]
         if bad:
             raise ValueError(f"slowdown for ranks {bad} outside the virtual world of "
                              f"{self.world.world_size}")
@@ -147,8 +152,9 @@ class Simulator:
                 dim = self.graph.string(int(i))
                 if dim not in _UNMATCHED and dim != "world":
                     dims.add(dim)
-        labels = initial_labels(world, keys, {**self.slowdown, **{r: ("start", t) for r, t in
-                                                                   self.start_s.items()}})
+        perturbed = {*self.slowdown, *self.link_slowdown, *self.start_s}
+        labels = initial_labels(world, keys, {r: (self.slowdown.get(r, 1.0), self.link_slowdown.get(r, 1.0),
+                                                  self.start_s.get(r, 0.0)) for r in perturbed})
         if self.rank_graphs:  # ranks with their own graph start in classes of their own
             ids: dict[int, int] = {}
             base = int(labels.max()) + 1
@@ -204,6 +210,7 @@ class Simulator:
         world = self.world
         n_classes = len(reps)
         slow = [self.slowdown.get(rep, 1.0) for rep in reps]
+        link = [self.link_slowdown.get(rep, 1.0) for rep in reps]
         offset = [self.start_s.get(rep, 0.0) for rep in reps]
         n = [len(p.kinds) for p in plan]
         post = [[math.nan] * k for k in n]
@@ -278,9 +285,10 @@ class Simulator:
                             # members' sizes differ only where the data decides (an MoE all-to-all):
                             # the operation lasts as long as its largest member's share
                             nbytes = max(v[3] for v in arrived.values())
-                            latency, transfer, link = self.cost.parts(op, nbytes, placement)
+                            latency, transfer, kind = self.cost.parts(op, nbytes, placement)
+                            transfer *= max(link[m] for m in members)
                             end = t0 + latency + transfer + extra.get(key, 0.0)
-                            flows.append((key, members, link, t0 + latency, transfer))
+                            flows.append((key, members, kind, t0 + latency, transfer))
                             done[key] = (t0, end, lcause)
                             del pending[key]
                         t0, end, lcause = done[key]
@@ -298,11 +306,12 @@ class Simulator:
                     slot["send" if send else "recv"] = (ready, c, i, cause)
                     if len(slot) == 2:
                         (ts, sc, si, scause), (tr, rc, ri, rcause) = slot["send"], slot["recv"]
-                        latency, transfer, link = self.cost.parts("send", nbytes,
+                        latency, transfer, kind = self.cost.parts("send", nbytes,
                                                                   _placement(world, (reps[c], peer)))
+                        transfer *= max(link[sc], link[rc])
                         t0 = max(ts, tr)
                         end = t0 + latency + transfer + extra.get(key, 0.0)
-                        flows.append((key, (sc, rc), link, t0 + latency, transfer))
+                        flows.append((key, (sc, rc), kind, t0 + latency, transfer))
                         fin[sc][si] = fin[rc][ri] = end
                         why[sc][si] = why[rc][ri] = (scause if ts >= tr else rcause)
                         del pending[key]
