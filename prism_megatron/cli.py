@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="hold each of the sandbox's collectives on its device stream for the wait "
                                   "a ghost-only replay computes, so compute is measured at the production "
                                   "duty cycle (auto: on GPU)")
+            cmd.add_argument("--faults", default=None,
+                             help="fault specs injected into the job, e.g. "
+                                  "\"slow(4711, 1.5); link(node3, 2)\" (default: the config's faults.inject)")
             cmd.add_argument("--json", default=None, help="write the summary JSON here too")
             continue
         if name == "sweep":

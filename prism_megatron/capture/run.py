@@ -138,6 +138,7 @@ class Capture:
         self.timeout_s, self.log = timeout_s, log
         job = copy.deepcopy(cfg)  # what every slice runs: only its rank and trace path differ
         job.emulation.sandbox_ranks, job.trace.path, job.train.device = [], None, self.device
+        job.faults.inject = None  # the graph is of the clean job: faults act in the replay
         self.config_text = to_yaml(job)
         self.job_key = _job_key(self.config_text)
 

@@ -351,6 +351,25 @@ class MoeConfig:
 
 
 @dataclass(kw_only=True)
+class FaultsConfig:
+    """Faults injected into the job (prism_megatron/faults/): stragglers, throttling, slow links and
+    host stalls. The replay (simulate, emulate, `prism-megatron faults`) applies them to every rank they
+    name; a real process they name (a plain run's rank or a sandbox) slows its own compute for real."""
+
+    inject: Optional[str] = None
+    """Fault specs separated by ';', e.g. "slow(4711, 1.5); throttle(node3, 1.3, 600); link(64-71, 2);
+    stall(0, 0.5, 10)" (faults/spec.py). None: no fault."""
+
+    def __post_init__(self) -> None:
+        from prism_megatron.faults.spec import FaultError, parse_faults
+
+        try:
+            parse_faults(self.inject)
+        except FaultError as err:
+            raise ConfigError(f"faults.inject: {err}") from None
+
+
+@dataclass(kw_only=True)
 class PrismConfig:
     """Everything one run needs; cross-component checks live here."""
 
@@ -360,6 +379,7 @@ class PrismConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def __post_init__(self) -> None:
         self.check_world(self.emulation.virtual_world_size)

@@ -57,7 +57,7 @@ def emulate_command(args) -> int:
 
     cluster, calibration = _cluster(args.overrides)
     summary = Emulation(args.graph, args.out, _specs(args.sandbox, []), cluster, calibration,
-                        device=args.device, clock=args.clock, pace=_pace(args.pace)).run()
+                        device=args.device, clock=args.clock, pace=_pace(args.pace), faults=args.faults).run()
     _print(summary)
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
@@ -84,7 +84,8 @@ def run_command(args) -> int:
     capture = Capture(cfg, str(out / "capture"), workers=args.workers, device=args.device).run()
     print(f"graph: {capture.graph_path} ({capture.slices_run} slices run, {capture.slices_reused} reused)")
     summary = Emulation(capture.graph_path, str(out / "emulation"), specs, cluster, calibration,
-                        device=args.device, clock=args.clock, pace=_pace(args.pace)).run()
+                        device=args.device, clock=args.clock, pace=_pace(args.pace),
+                        faults=args.faults or cfg.faults.inject).run()
     summary["graph_path"] = capture.graph_path
     _print(summary)
     atomic_write_text(str(out / "run.json"), json.dumps(summary, indent=1))

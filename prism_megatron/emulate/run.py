@@ -40,6 +40,8 @@ from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
 from prism_megatron.util import atomic_write_text, free_port
 
+RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
+
 
 class EmulationFailed(RuntimeError):
     """The sandbox job failed; the message names its log."""
@@ -72,6 +74,10 @@ class Emulation:
     kernel waits; a sandbox whose collectives end at once has no such slack, and in a launch-bound
     job its measured compute then includes device idle the real job does not have. Nothing changes
     on CPU (a sleep there holds the host too), and the iteration time is still computed."""
+    faults: Optional[str] = None
+    """Fault specs (faults/spec.py) injected into the job: ghosts they name are replayed slowed, their
+    links and stalls act in every replay, and a sandbox they name slows its own compute for real
+    (faults/inject.py), so its measured compute already holds the fault."""
     _timed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     """rank -> the iteration (0-based) whose durations its sandbox graph holds (trace/recorder.py)."""
 
@@ -83,19 +89,19 @@ class Emulation:
         cost = self.cluster.cost_model(self.calibration)
         times = None
         if "slowest" in self.sandbox:
-            times = Simulator(graph, cost).run().rank_times()
+            times = self._simulator(graph, cost, []).run().rank_times()
         ranks = resolve_sandbox(self.sandbox, graph, times)
         text = str(graph.meta.get("config", ""))
         device = self.device or _device_of(text)
         paced = self.pace if self.pace is not None else device == "cuda"
-        job = text
+        job = text = _with_faults(text, self.faults)
         if paced:  # the ghost-only replay's waits: what a collective of this rank lasts at scale
-            first = Simulator(graph, cost).run(tuple(ranks))
+            first = self._simulator(graph, cost, []).run(tuple(ranks))
             job = _with_delays(text, {r: waits(graph.roles[graph.world.role(r)], *first.timelines[r])
                                       for r in ranks}, out / "pace_plan.json")
         measured = self._run_sandbox(job, ranks, out / "sandbox")
         merged, rank_graphs = _with_sandbox(graph, measured)
-        result = Simulator(merged, cost, rank_graphs=rank_graphs).run(
+        result = self._simulator(merged, cost, ranks, rank_graphs=rank_graphs).run(
             tuple(sorted({*(self.trace_ranks or ranks), *ranks})))
         world = graph.world
         figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
@@ -107,7 +113,7 @@ class Emulation:
             **figures, "ranks": world.world_size, "sandbox_count": len(ranks),
             "physical_fraction": len(ranks) / world.world_size,
             "materialized_ghosts": len(direct_peers(graph, ranks)), "classes": len(result.classes),
-            "sim_wall_s": round(result.sim_wall_s, 4), "cluster": self.cluster.name,
+            "sim_wall_s": round(result.sim_wall_s, 4), "cluster": self.cluster.name, "faults": self.faults,
             "clock": "virtual", "paced": paced, "compute_durations_from": graph.meta.get("device", "?"),
             "sandbox": [{"virtual_rank": r, "iteration_time_s": float(class_times[r]),
                          "timed_iteration": self._timed[r] + 1,
@@ -116,6 +122,8 @@ class Emulation:
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
                          "memory_source": measured[r].memory_source, **overhead[r]} for r in ranks],
             "wall_s": round(time.perf_counter() - start, 2), "graph_path": str(self.graph_path)}
+        if world.world_size <= RANK_TIMES_UP_TO:
+            summary["rank_iteration_time_s"] = [float(t) for t in class_times]
         if self.clock == "realtime":
             summary["clock"] = "realtime"
             self._realtime(text, ranks, out, result, rank_graphs, summary)
@@ -129,6 +137,21 @@ class Emulation:
         atomic_write_text(str(out / "emulation.json"), json.dumps(summary, indent=1))
         return summary
 
+    def _simulator(self, graph: ExecutionGraph, cost, sandboxes: list[int], **kw) -> Simulator:
+        """A replay with the injected faults; compute faults of sandboxes whose measured compute
+        holds them (`sandboxes`) are not applied twice."""
+        if not self.faults:
+            return Simulator(graph, cost, **kw)
+        from prism_megatron.faults.spec import FaultError, FaultSet
+
+        world = graph.world
+        try:
+            p = FaultSet.parse(self.faults, world.world_size, world.gpus_per_node).at(0, 0.0)
+        except FaultError as err:
+            raise ConfigError(f"faults: {err}") from None
+        compute = {r: f for r, f in p.compute.items() if r not in sandboxes}
+        return Simulator(graph, cost, slowdown=compute, link_slowdown=p.link, start_s=p.start_s, **kw)
+
     def _realtime(self, text: str, ranks: list[int], out: Path, result, rank_graphs: dict,
                   summary: dict) -> None:
         """Run the sandboxes again with the replay's waits injected; report their wall-clock time,
@@ -141,7 +164,8 @@ class Emulation:
         measured = self._run_sandbox(job, ranks, out / "realtime")
         graph = load_graph(self.graph_path)
         merged, again = _with_sandbox(graph, measured)
-        replay = Simulator(merged, self.cluster.cost_model(self.calibration), rank_graphs=again).run()
+        replay = self._simulator(merged, self.cluster.cost_model(self.calibration), ranks,
+                                 rank_graphs=again).run()
         times = replay.rank_times()
         summary["realtime_replay_iteration_s"] = float(replay.iteration_s)
         for row in summary["sandbox"]:
@@ -210,6 +234,15 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
         if timed is not None:
             timed[r] = int(g.meta.get("timed_iteration") or g.meta.get("iterations_run", 1) - 1) - 1
     return graphs
+
+
+def _with_faults(config_yaml: str, faults: Optional[str]) -> str:
+    """The job config with `faults.inject` set (a faulted sandbox slows itself for real)."""
+    if not faults:
+        return config_yaml
+    job = yaml.safe_load(config_yaml)
+    job.setdefault("faults", {})["inject"] = faults
+    return yaml.safe_dump(job, sort_keys=False)
 
 
 def _with_delays(config_yaml: str, plans: dict[int, tuple[list[float], list[float]]], path: Path) -> str:

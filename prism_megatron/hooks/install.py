@@ -193,7 +193,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     activate_local_specs(inst._patches)
     if cfg.trace.path:
         _install_recorder(inst, recorder)
-    ScheduleHooks(inst.tracker, inst.recorder).install(inst._patches)
+    ScheduleHooks(inst.tracker, inst.recorder, _compute_faults(cfg)).install(inst._patches)
     _install_model_hooks(inst)
     install_deepspeed(inst, lambda: inst.session)
     if not inst.virtual:
@@ -296,6 +296,15 @@ def _route_by_model(inst: Installation, model: torch.nn.Module) -> None:
     from prism_megatron.moe.routing import attach
 
     inst.routers += attach(model, inst.routing, dist.get_rank, _microbatches(inst.cfg))
+
+
+def _compute_faults(cfg: PrismConfig):
+    """This process's injected compute faults (faults.inject naming its virtual rank), or None."""
+    if not cfg.faults.inject:
+        return None
+    from prism_megatron.faults.inject import ComputeFaults
+
+    return ComputeFaults(cfg.faults.inject, cfg.emulation.gpus_per_node, dist.get_rank, dist.get_world_size)
 
 
 def _microbatches(cfg: PrismConfig):

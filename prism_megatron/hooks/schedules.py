@@ -5,6 +5,7 @@ through.
 - The memory tracker learns the phase (forward allocations are activations, the rest temporaries).
 - The recorder, when there is one, gets one span per forward and per backward of each microbatch and
   model chunk (virtual stage), and an iteration mark each time the forward-backward function runs.
+- An injected compute fault on this process (faults.inject) stretches each step (faults/inject.py).
   The backward of a microbatch is matched to its forward by the output tensor the schedule hands back.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Any, Optional
 
 from prism_megatron.runtime.memory import StorageTracker
@@ -28,8 +30,10 @@ def _first_tensor(value: Any) -> Any:
 class ScheduleHooks:
     """State shared by the wrapped schedule functions of one installation."""
 
-    def __init__(self, tracker: Optional[StorageTracker], recorder: Optional[Recorder]) -> None:
-        self.tracker, self.recorder = tracker, recorder
+    def __init__(self, tracker: Optional[StorageTracker], recorder: Optional[Recorder],
+                 faults: Optional[Any] = None) -> None:
+        """`faults`: a faults/inject.ComputeFaults that slows this process's steps, or None."""
+        self.tracker, self.recorder, self.faults = tracker, recorder, faults
         self._forwards: dict[int, int] = {}     # chunk -> forwards seen this iteration
         self._backwards: dict[int, int] = {}
         self._by_output: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (microbatch, chunk)
@@ -55,8 +59,12 @@ class ScheduleHooks:
             self.tracker.set_phase(phase)
         if self.recorder is not None:
             self.recorder.span_begin(phase, microbatch, chunk)
+        factor = self.faults.factor() if self.faults is not None else 1.0
+        start = time.perf_counter()
         try:
             yield
+            if factor != 1.0:  # an injected compute fault: the step lasts factor times as long
+                self.faults.after_step(time.perf_counter() - start, factor)
         finally:
             if self.recorder is not None:
                 self.recorder.span_end()
