@@ -183,6 +183,16 @@ def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
     wall, replayed = row["realtime_iteration_s"], row["realtime_replay_iteration_s"]
     assert out["clock"] == "realtime" and abs(wall / replayed - 1) < 0.15, (wall, replayed)
     assert abs(row["realtime_vs_virtual_pct"]) < 40, row
+    # the compute measured at the duty cycle, as a fault profile the replay takes back
+    factor = row["realtime_compute_factor"]
+    assert factor > 0
+    if abs(factor - 1) > 0.01:
+        from prism_megatron.faults.spec import parse_faults
+
+        (fault,) = parse_faults(out["measured_faults"])
+        assert (fault.kind, fault.ranks, fault.factor) == ("slow", str(rank), pytest.approx(factor, rel=1e-3))
+    else:
+        assert out["measured_faults"] is None
     assert out["paced"]
     paced = json.loads((tmp_path / "emu" / "pace_plan.json").read_text())["delays_s"][str(rank)]
     assert len(paced) == len(plan) and sum(paced) > 0

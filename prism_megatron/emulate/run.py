@@ -41,6 +41,7 @@ from prism_megatron.sim.report import job_figures
 from prism_megatron.util import atomic_write_text, free_port
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
+MEASURED_FAULT_THRESHOLD = 0.01  # realtime compute off by more than this: a measured fault profile
 
 
 class EmulationFailed(RuntimeError):
@@ -168,6 +169,7 @@ class Emulation:
                                  rank_graphs=again).run()
         times = replay.rank_times()
         summary["realtime_replay_iteration_s"] = float(replay.iteration_s)
+        measured_faults = []
         for row in summary["sandbox"]:
             r = row["virtual_rank"]
             run = json.loads((out / "realtime" / f"summary{r}.json").read_text())
@@ -175,6 +177,14 @@ class Emulation:
             row["realtime_iteration_s"] = wall
             row["realtime_vs_virtual_pct"] = (wall / row["iteration_time_s"] - 1) * 100
             row["realtime_replay_iteration_s"] = float(times[r])
+            # the sandbox's compute at the production duty cycle against its compute in the first run
+            # (clocks, power and thermal state differ): a measured fault profile for the replay
+            factor = _compute_s(again[r]) / max(_compute_s(rank_graphs[r]), 1e-12)
+            row["realtime_compute_factor"] = factor
+            if abs(factor - 1.0) > MEASURED_FAULT_THRESHOLD:
+                measured_faults.append(f"slow({r}, {factor:.4f})")
+        # `prism-megatron faults GRAPH --inject "<this>"` replays the job with what the sandboxes measured
+        summary["measured_faults"] = "; ".join(measured_faults) or None
 
     def _run_sandbox(self, text: str, ranks: list[int], out: Path) -> dict[int, tuple]:
         if not text:
@@ -313,12 +323,16 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
     if not per_iteration:
         return {}
     backend_s = float(per_iteration[min(timed, len(per_iteration) - 1)])  # the iteration the graph timed
-    compute_s = float(g.columns["duration_s"][g.columns["kind"] == 0].sum())
+    compute_s = _compute_s(g)
     ops = int((g.columns["kind"] != 0).sum())
     return {"backend_host_s_per_iteration": backend_s, "comm_ops_per_iteration": ops,
             "backend_host_s_per_op": backend_s / ops if ops else 0.0, "replay_s": replay_s,
             "compute_s": compute_s,
             "overhead_ratio": backend_s / compute_s if compute_s > 0 else None}
+
+
+def _compute_s(g: RoleGraph) -> float:
+    return float(g.columns["duration_s"][g.columns["kind"] == 0].sum())
 
 
 def _span_s(g: RoleGraph) -> float:

@@ -43,7 +43,7 @@ def summarize(samples: list[dict]) -> dict:
     samples, i.e. while the job runs rather than while Python starts)."""
     if not samples:
         return {"samples": 0}
-    idle = sorted(s["power_w"] for s in samples[:5])[len(samples[:5]) // 2]
+    idle = min(s["power_w"] for s in samples[:5])  # the run starts idle (Python, model build)
     active = [s for s in samples if s["power_w"] > 1.5 * idle]
     out = _figures(samples)
     out["idle_power_w"] = idle
