@@ -74,8 +74,8 @@ def _impact(graph, cost, args) -> dict:
     if args.heatmap:
         from prism_megatron.moe.pictures import heatmap_png
 
-        width = max(world.gpus_per_node, int(np.ceil(np.sqrt(world.world_size) / world.gpus_per_node))
-                    * world.gpus_per_node)
+        g = world.gpus_per_node
+        width = g * max(1, round(world.world_size ** 0.5 / g))  # near square, whole nodes per row
         heatmap_png(args.heatmap, heatmap(report["per_rank"]["added_wait_s"], width))
         report["heatmap"] = {"path": args.heatmap, "width": width,
                              "layout": "rank r at row r // width, column r % width"}

@@ -33,9 +33,8 @@ def replay(graph: Any, cost: Any, perturbation: Perturbation | None = None) -> S
 
 def job_time(result: SimResult, perturbation: Perturbation) -> float:
     """From the earliest start to the last end (a stalled rank counts its own time from its start)."""
-    ends = [c.iteration_s + perturbation.start_s.get(c.representative, 0.0) for c in result.classes]
-    return max(ends) - (min(perturbation.start_s.get(c.representative, 0.0) for c in result.classes)
-                        if len(perturbation.start_s) == len(result.class_of_rank) else 0.0)
+    starts = [perturbation.start_s.get(c.representative, 0.0) for c in result.classes]
+    return max(c.iteration_s + t for c, t in zip(result.classes, starts)) - min(starts)
 
 
 def rank_waits(result: SimResult, job_s: float, perturbation: Perturbation) -> np.ndarray:
@@ -60,18 +59,16 @@ def impact(graph: Any, cost: Any, faults: FaultSet, iterations: int = 1, top: in
     clean = Perturbation()
     base = replay(graph, cost)
     base_s = job_time(base, clean)
-    runs: dict[tuple, tuple[SimResult, Perturbation]] = {}
+    runs: dict[tuple, tuple[SimResult, Perturbation, float]] = {}  # key -> (replay, perturbation, s)
     times, t = [], 0.0
     for i in range(max(1, iterations if faults.time_varying else 1)):
         p = faults.at(i, t)
         if p.key() not in runs:
-            runs[p.key()] = (replay(graph, cost, p) if p else base, p)
-        result, _ = runs[p.key()]
-        times.append(job_time(result, p))
+            result = replay(graph, cost, p) if p else base
+            runs[p.key()] = (result, p, job_time(result, p))
+        times.append(runs[p.key()][2])
         t += times[-1]
-    worst_key = max(runs, key=lambda k: job_time(*runs[k]))
-    worst, worst_p = runs[worst_key]
-    worst_s = job_time(worst, worst_p)
+    worst, worst_p, worst_s = max(runs.values(), key=lambda run: run[2])
     added = rank_waits(worst, worst_s, worst_p) - rank_waits(base, base_s, clean)
     compute = np.ones(world.world_size)
     for rank, factor in worst_p.compute.items():

@@ -16,6 +16,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -68,7 +69,6 @@ def sample_during(cmd: list[str], gpu: int = 0, period_ms: int = 100) -> tuple[i
     t0 = time.perf_counter()
     lines: list[str] = []
     stamps: list[float] = []
-    import threading
 
     def read() -> None:
         for line in smi.stdout:

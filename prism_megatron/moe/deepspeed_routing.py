@@ -51,6 +51,9 @@ class SteeredGate:
         key = dict(experts=experts, tokens=tokens, topk=topk, layer=self.layer, microbatch=microbatch,
                    iteration=iteration)
         self.state.last = key
+        # DeepSpeed's dropless gate exchanges the capacity (all-reduce MAX) right after selecting:
+        # that one operation, and no later one, is answered for ghosts from the model
+        self.state.capacity_exchange = None if self.gate.drop_tokens else key
         counts = self.state.model.counts(**key, source=self._source())
         self.last_counts = counts
         chosen = torch.from_numpy(routing_map(counts, tokens, topk)).to(logits.device)
@@ -121,11 +124,12 @@ def capacity_part(state: Any, op: str, members: tuple[int, ...], ghosts: list[in
     modelled load over the ghosts as sources, for the same call."""
     from torch.distributed import ReduceOp
 
-    last = state.last
-    if (op != "all_reduce" or reduce_op != ReduceOp.MAX or last is None or tensor.numel() != 1
+    key = state.capacity_exchange
+    if (op != "all_reduce" or reduce_op != ReduceOp.MAX or key is None or tensor.numel() != 1
             or tensor.dtype not in (torch.int64, torch.int32)):
         return None
-    loads = [int(state.model.counts(**last, source=g).max()) for g in ghosts]
+    state.capacity_exchange = None
+    loads = [int(state.model.counts(**key, source=g).max()) for g in ghosts]
     return torch.tensor(max(loads), dtype=tensor.dtype)
 
 

@@ -37,6 +37,7 @@ class RoutingState:
         self.model = model
         self.capacity_factor = capacity_factor  # model.moe_expert_capacity_factor: megatron drops
         self.last: Optional[dict] = None  # keyword arguments of the latest counts() call
+        self.capacity_exchange: Optional[dict] = None  # a DeepSpeed dropless gate's pending exchange
 
     def provide(self, op: str, members: tuple[int, ...], ghost: int, slot: torch.Tensor) -> bool:
         last = self.last
