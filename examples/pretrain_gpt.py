@@ -39,7 +39,7 @@ from prism_megatron.config.flags import (
 from prism_megatron.util import prepare_process
 
 
-def build_model(cfg, device):
+def build_model(cfg, device, cpu_initialization=None):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -67,7 +67,8 @@ def build_model(cfg, device):
         context_parallel_size=p.cp, expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=p.etp, sequence_parallel=p.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, use_cpu_initialization=device == "cpu",
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=device == "cpu" if cpu_initialization is None else cpu_initialization,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         add_bias_linear=not m.num_experts and not m.swiglu, deallocate_pipeline_outputs=True,
@@ -155,7 +156,9 @@ def train(cfg, inst, summary_path):
         expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp, order=p.order)
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)
-    config, chunks = build_model(cfg, device)
+    # fake execution predicts a GPU: parameters are made as on a GPU (megatron's default), not the
+    # CPU path's full-size master weights split afterwards
+    config, chunks = build_model(cfg, device, cpu_initialization=device == "cpu" and inst.execution == "real")
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=cfg.train.lr, weight_decay=0.01, clip_grad=1.0,
                         bf16=config.bf16, fp16=config.fp16,

@@ -306,9 +306,13 @@ class Capture:
                     roles[role] = source.as_role(role, self.world.representative(role),
                                                  f"inferred:{c.probes[0]}")
                     inferred.append(str(role))
+        from prism_megatron.hooks.fake import resolve_execution
+
+        execution = resolve_execution(self.cfg, self.device if self.device != "auto" else "cpu")
         meta = {"config": self.config_text, "microbatches": self.microbatches,
                 "classes": {c.key: [str(r) for r in c.probes] for c in classes},
-                "device": self.device}
+                "device": f"fake:{self.cfg.emulation.target_gpu}" if execution == "fake" else self.device,
+                "execution": execution}
         ordered = {r: roles[r] for r in self.world.roles()}
         return ExecutionGraph(world=self.world, roles=ordered, strings=table.strings, meta=meta), inferred
 

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ReduceOp
 
 from prism_megatron.comm.events import CommEvent
@@ -398,6 +399,8 @@ class PrismGroup(dist.ProcessGroup):
         if physical is not None:
             return self.session.p2p_backends[tensors[0].device.type].send(tensors, physical, tag)
         for t in tensors:  # keep a host copy outside torch's allocator: memory stays a real rank's
+            if is_fake(t):  # fake execution: shapes only, there are no bytes to mirror
+                continue
             # The first one only: mirroring our latest output back into our input would form a loop
             # (activations and gradients fed back through the same layers) that grows without bound.
             sent = self._stash.setdefault((tuple(t.shape), t.dtype), {})
@@ -413,6 +416,8 @@ class PrismGroup(dist.ProcessGroup):
             return self.session.p2p_backends[tensors[0].device.type].recv(tensors, physical, tag)
         for i, t in enumerate(tensors):
             policy = self.session.policy
+            if is_fake(t):
+                continue
             if policy.effective(t.dtype) == "mirror":
                 sent = self._stash.get((tuple(t.shape), t.dtype), {})
                 # Prefer what we sent the *other* way: a ghost previous stage's activations look

@@ -28,8 +28,8 @@ from prism_megatron.config.schema import (
 
 # --prism-<name> -> emulation.<field>; help comes from the field docstring.
 PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_seed", "gpus_per_node", "clock",
-               "delay_plan")
-_STR_FLAGS = ("ghost_policy", "clock", "delay_plan")
+               "delay_plan", "execution", "target_gpu")
+_STR_FLAGS = ("ghost_policy", "clock", "delay_plan", "execution", "target_gpu")
 # --prism-trace-<name> -> trace.<field>
 TRACE_FLAGS = {"path": str, "granularity": str, "timing": str, "selection": str, "iteration": int}
 # --prism-moe-<name> -> moe.<field>
@@ -90,7 +90,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _field(key: str):
     section, name = key.split(".")
-    return next(f for f in fields(_SECTIONS[section]) if f.name == name), field_docs(_SECTIONS[section])[name]
+    doc = field_docs(_SECTIONS[section])[name].replace("%", "%%")  # argparse formats help with %
+    return next(f for f in fields(_SECTIONS[section]) if f.name == name), doc
 
 
 def add_prism_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from typing import List, Optional
 
 GHOST_POLICIES = ("mirror", "zeros", "random")
 CLOCKS = ("virtual", "realtime")
+EXECUTIONS = ("auto", "real", "fake")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "aten")
@@ -62,9 +63,22 @@ class EmulationConfig:
     """JSON of the waits to inject per communication operation of an iteration (clock=realtime);
     `prism-megatron emulate --clock realtime` writes it."""
 
+    execution: str = "auto"
+    """real: the sandbox's kernels run on this machine's device; fake: tensors have shapes and dtypes
+    but no data (torch FakeTensorMode), compute durations come from the kernel-cost model of
+    `target_gpu` and memory from a model of the CUDA caching allocator; auto: real where this device
+    can hold the rank's model state, fake otherwise (the run says which it took)."""
+
+    target_gpu: str = "h200"
+    """GPU a fake run predicts: h200 (calibrated on the H200 machine, shipped), h100 or a100
+    (roofline from their documented peaks), or a file written by `prism-megatron calibrate --kernels`."""
+
     def __post_init__(self) -> None:
         _require_positive("emulation", virtual_world_size=self.virtual_world_size,
                           gpus_per_node=self.gpus_per_node)
+        if self.execution not in EXECUTIONS:
+            raise ConfigError(f"emulation.execution={self.execution!r} is unknown; expected one of "
+                              f"{', '.join(EXECUTIONS)}")
         if self.clock not in CLOCKS:
             raise ConfigError(f"emulation.clock={self.clock!r} is unknown; expected one of "
                               f"{', '.join(CLOCKS)}")

@@ -38,6 +38,7 @@ from prism_megatron.comm.backend import register_prism_backend
 from prism_megatron.comm.session import VirtualSession
 from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.hooks.deepspeed import install_deepspeed
+from prism_megatron.hooks.fake import fake_summary, install_fake, resolve_execution
 from prism_megatron.hooks.megatron import make_initialize_model_parallel, make_setup_embeddings
 from prism_megatron.hooks.schedules import ScheduleHooks
 from prism_megatron.hooks.torch_dist import (
@@ -89,6 +90,10 @@ class Installation:
     routing: Optional[Any] = None
     """The RoutingState of this process's routers (moe.imbalance), whose provider fills ghosts'
     token counts."""
+    execution: str = "real"
+    """`real` or `fake` (emulation.execution resolved; see runtime/fake.py)."""
+    fake: Optional[Any] = None
+    """The FakeExecution (its CostClock and the allocator model) when execution is fake."""
     ds_routing: Optional[Any] = None
     """DeepSpeed-MoE's steered gates (moe/deepspeed_routing.py), made with the first engine that has
     MoE layers when moe.imbalance routes the tokens."""
@@ -107,6 +112,8 @@ class Installation:
 
     def peak_memory_bytes(self) -> int:
         """Peak allocated bytes of this rank: exact tracker on CPU, CUDA allocator on GPU."""
+        if self.fake is not None:
+            return self.runtime.tracker.allocator.peak_allocated
         if self.runtime is not None:
             return self.runtime.tracker.peak_allocated_bytes
         return int(torch.cuda.max_memory_allocated())
@@ -124,6 +131,8 @@ class Installation:
         summary[key] = int(self.peak_memory_bytes())
         if self.tracker is not None:
             summary["memory"] = self.tracker.snapshot()
+        if self.fake is not None:
+            summary["execution"] = fake_summary(self)
         if self.session is not None:
             summary["comm"] = self.session.log.rows()
         if path:
@@ -190,6 +199,9 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         inst.routing = RoutingState(cfg.moe.model(), cfg.model.moe_expert_capacity_factor)
     if device == "cpu":
         inst.runtime = CpuRuntime().activate()
+    inst.execution = resolve_execution(cfg, device)
+    if inst.execution == "fake":
+        install_fake(inst)
     activate_local_specs(inst._patches)
     if cfg.trace.path:
         _install_recorder(inst, recorder)
@@ -242,7 +254,10 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
 def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
     two_pass = inst.cfg.trace.timing == "two-pass"
-    if recorder is None and inst.device == "cuda":
+    if recorder is None and inst.fake is not None:
+        allocator = inst.tracker.allocator
+        recorder = Recorder(inst.fake.clock, lambda: allocator.allocated, two_pass=two_pass)
+    elif recorder is None and inst.device == "cuda":
         recorder = Recorder(CudaClock(), _cuda_allocated_bytes(), memory_at_module_boundaries=False,
                             two_pass=two_pass)
     elif recorder is None:

@@ -126,7 +126,7 @@ class _StorageRecord(weakref.ref):
 
     # key: _cdata; index: position of its MemCategory in _CATEGORIES; seq: the accounting event
     # that last set nbytes (tells whether the storage was live with these bytes at the peak)
-    __slots__ = ("key", "nbytes", "index", "seq")
+    __slots__ = ("key", "nbytes", "index", "seq", "modelled")
 
 
 class _OutputObserver(TorchDispatchMode):
@@ -225,6 +225,10 @@ class StorageTracker:
         self._models: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hook_handles: list[Any] = []
+        self.allocator: Any = None
+        """Optional `AllocatorModel` fed every allocation, resize and free of tracked fake storages
+        (fake execution: they stand for GPU memory; real CPU tensors then are host memory, as a GPU
+        program's CPU tensors are)."""
 
     def start(self) -> StorageTracker:
         """Begin observing ops of the calling thread; hooks of registered objects are installed."""
@@ -406,12 +410,21 @@ class StorageTracker:
         nbytes = storage.nbytes()
         self._seq += 1
         record.key, record.nbytes, record.index, record.seq = key, nbytes, index, self._seq
+        record.modelled = False
         self._live[key] = record
         self._counts[index] += nbytes
         self._allocated_bytes += nbytes
+        if self.allocator is not None and nbytes and storage.device.type == "meta":
+            self.allocator.malloc(id(record), nbytes)
+            record.modelled = True
 
     def _resize(self, record: _StorageRecord, nbytes: int) -> None:
         delta = nbytes - record.nbytes
+        if record.modelled:  # a resized storage gets a new block; the old one is freed
+            if record.nbytes:
+                self.allocator.free(id(record))
+            if nbytes:
+                self.allocator.malloc(id(record), nbytes)
         self._seq += 1
         record.nbytes, record.seq = nbytes, self._seq
         self._counts[record.index] += delta
@@ -431,6 +444,8 @@ class StorageTracker:
                 del live[record.key]
             counts[record.index] -= record.nbytes
             self._allocated_bytes -= record.nbytes
+            if record.modelled and record.nbytes:
+                self.allocator.free(id(record))
 
     def _label(self, tensors: torch.Tensor | Iterable[torch.Tensor | None] | None, index: int,
                keep: frozenset[int]) -> None:

@@ -52,6 +52,11 @@ def cuda_breakdown(models: list, optimizers: list, peak_bytes: int) -> dict[str,
 
 def memory_figures(inst: Any) -> dict[str, Any]:
     """Keyword arguments of RoleGraphBuilder.build for this rank's memory."""
+    if inst.fake is not None:  # the CUDA caching allocator's figures, modelled; categories: exact bytes
+        allocator = inst.tracker.allocator
+        return {"peak_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
+                "peak_by_category": inst.tracker.snapshot()["peak_by_category"],
+                "memory_source": "allocator-model"}
     if inst.tracker is not None:
         snap = inst.tracker.snapshot()
         return {"peak_bytes": snap["peak_allocated_bytes"], "peak_by_category": snap["peak_by_category"],
@@ -88,7 +93,8 @@ def write_role_graph(inst: Any) -> str:
     if cfg.trace.iteration > 0:
         pool = ()
     graph = inst.recorder.build(role, rank, strings, iteration=iteration, pool=pool, **memory_figures(inst))
-    meta = {"config": to_yaml(cfg), "captured_rank": rank, "device": inst.device,
+    device = f"fake:{cfg.emulation.target_gpu}" if inst.fake is not None else inst.device
+    meta = {"config": to_yaml(cfg), "captured_rank": rank, "device": device, "execution": inst.execution,
             "clock": inst.recorder.clock.kind, "granularity": cfg.trace.granularity,
             "iterations_run": len(inst.recorder.iterations), **inst.recorder.built,
             "iteration_origin_s": inst.recorder.origin_s(inst.recorder.built["timed_iteration"] - 1)}

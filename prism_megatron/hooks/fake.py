@@ -1,0 +1,106 @@
+"""Fake execution in an installation: which execution a run takes, and wiring it in.
+
+`resolve_execution` turns `emulation.execution=auto` into `real` when this device can hold the rank's
+model state (parameters, gradients, optimizer state: estimated from the model config, 18 bytes per
+parameter for mixed precision with Adam, 16 in fp32) in half its memory, else `fake`. `install_fake`
+activates `runtime.fake.FakeExecution` with a `CostClock` of the target GPU and feeds the CPU
+runtime's storage tracker into an `AllocatorModel`, whose figures `torch.cuda.memory_*` then report:
+the program sees the memory a GPU would report.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from prism_megatron.config import ConfigError
+from prism_megatron.config.schema import PrismConfig
+
+__all__ = ["fake_summary", "install_fake", "rank_parameters", "resolve_execution"]
+
+
+def rank_parameters(cfg: PrismConfig) -> float:
+    """Parameters held by the largest rank (a first or last pipeline stage), from the model config."""
+    m, p = cfg.model, cfg.parallel
+    h = m.hidden_size
+    ffn = m.ffn_hidden_size or 4 * h
+    groups = m.num_query_groups or m.num_attention_heads
+    kv = 2 * h * groups // m.num_attention_heads
+    attention = h * (h + kv) + h * h
+    mlp = (3 if m.swiglu else 2) * h * ffn
+    if m.num_experts:
+        mlp = mlp * m.num_experts / max(1, p.ep) + h * m.num_experts
+    per_layer = attention / p.tp + mlp / p.tp + 4 * h
+    layers = m.num_layers / p.pp
+    embedding = m.vocab_size * h / p.tp
+    return per_layer * layers + embedding
+
+
+def _device_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_execution(cfg: PrismConfig, device: str) -> str:
+    execution = cfg.emulation.execution
+    if execution == "fake" and device != "cpu":
+        raise ConfigError("emulation.execution=fake runs on the CPU runtime; set train.device=cpu (the GPU "
+                          "it predicts is emulation.target_gpu)")
+    if execution != "auto":
+        return execution
+    if cfg.emulation.virtual_world_size is None or device != "cpu":
+        return "real"
+    per_param = 16 if cfg.model.params_dtype == "fp32" else 18
+    need = rank_parameters(cfg) * per_param
+    return "real" if need <= _device_bytes(device) // 2 else "fake"
+
+
+def install_fake(inst: Any) -> None:
+    from prism_megatron.kernels.model import KernelCostModel
+    from prism_megatron.runtime.allocator_model import AllocatorModel
+    from prism_megatron.runtime.fake import CostClock, FakeExecution
+
+    if inst.runtime is None:
+        raise ConfigError("emulation.execution=fake needs the CPU runtime; set train.device=cpu")
+    try:
+        model = KernelCostModel.for_gpu(inst.cfg.emulation.target_gpu)
+    except ValueError as err:
+        raise ConfigError(f"emulation.target_gpu: {err}") from None
+    allocator = AllocatorModel()
+    inst.runtime.tracker.allocator = allocator
+    cuda = torch.cuda
+    for name, value in {
+        "memory_allocated": lambda device=None: allocator.allocated,
+        "max_memory_allocated": lambda device=None: allocator.peak_allocated,
+        "memory_reserved": lambda device=None: allocator.reserved,
+        "max_memory_reserved": lambda device=None: allocator.peak_reserved,
+    }.items():
+        inst.patch(cuda, name, value)
+    keep_ops = bool(os.environ.get("PRISM_FAKE_OPS"))
+    inst.fake = FakeExecution(clock=CostClock(model, keep_ops=keep_ops, allocator=allocator)).activate()
+    inst._exits.append(lambda: _finish(inst))
+
+
+def _finish(inst: Any) -> None:
+    path = os.environ.get("PRISM_FAKE_OPS")
+    clock = inst.fake.clock
+    if path and clock.ops is not None:
+        import json
+
+        from prism_megatron.util import atomic_write_text
+
+        ops = sorted(clock.ops.values(), key=lambda e: -e["s"] * e["calls"])
+        atomic_write_text(path, json.dumps({"ops": [e["sig"] for e in ops],
+                                            "calls": [e["calls"] for e in ops]}))
+    inst.fake.deactivate()
+
+
+def fake_summary(inst: Any) -> dict:
+    clock, allocator = inst.fake.clock, inst.runtime.tracker.allocator
+    return {"mode": "fake", "target_gpu": inst.cfg.emulation.target_gpu, "kernel_model": clock.model.source,
+            "peak_allocated_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
+            "device_s": clock.device_s,
+            "ops_by_source": {k: {"ops": v[0], "device_s": v[1]} for k, v in clock.by_source.items()}}

@@ -1,0 +1,275 @@
+"""`prism-megatron calibrate --kernels`: measure kernel durations on this machine's GPU.
+
+Three sweeps, each timed on the device's clock (CUDA events around back-to-back launches, after
+warm-up, as nccl-tests and cuBLAS benchmarks time):
+
+1. **GEMMs**: `mm` over a grid of M, N, K (bf16 on a fine grid, fp32 and fp16 on a coarse one) in the
+   four operand layouts cuBLAS distinguishes (row-major or transposed A and B).
+2. **Memory-bound families**: time against bytes moved, from 4 KiB to 4 GiB, for an elementwise binary
+   op, a dtype conversion, a row reduction, a softmax, a layer norm, an embedding gather and a
+   multi-tensor (`_foreach_`) update.
+3. **Exact ops** (`--ops FILE`, from a fake run's op list): each signature replayed as is on random
+   data, so the shapes a model really runs are measured, not interpolated; with each, the scratch
+   memory the op borrows from the caching allocator and returns before it ends (a fake run's
+   allocator model replays that transient, which can be where the peak is).
+
+Plus two host figures: the host time per eager op (launch overhead) and the shortest kernel.
+
+The result is a versioned JSON (`format: prism-kernels/1`) that `KernelCostModel` loads; the H200's is
+shipped in `prism_megatron/kernels/data/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from typing import Any, Callable, Optional
+
+FORMAT = "prism-kernels/1"
+BF16_SIZES = (128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+COARSE_SIZES = (128, 512, 1024, 2048, 4096, 8192)
+LAYOUTS = ("NN", "NT", "TN", "TT")
+FAMILY_BYTES = tuple(4096 * 4 ** i for i in range(11))  # 4 KiB .. 4 GiB
+
+
+def _timer(torch, budget_s: float = 0.02, max_reps: int = 50) -> Callable[[Callable[[], Any]], float]:
+    """Median-free simple timing: warm-up, then `reps` launches between two events (seconds per call)."""
+    cuda = torch.cuda
+
+    def time_it(fn: Callable[[], Any]) -> float:
+        fn()
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        once = max(start.elapsed_time(end) * 1e-3, 1e-6)
+        reps = int(min(max_reps, max(3, budget_s / once)))
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3 / reps
+
+    return time_it
+
+
+def _operand(torch, rows: int, cols: int, transposed: bool, dtype):
+    if transposed:
+        return torch.randn(cols, rows, device="cuda", dtype=dtype).t()
+    return torch.randn(rows, cols, device="cuda", dtype=dtype)
+
+
+def sweep_gemms(torch, time_it, log: Callable[[str], None], bf16_sizes=BF16_SIZES) -> list[dict]:
+    rows = []
+    plans = [("bfloat16", bf16_sizes), ("float32", COARSE_SIZES), ("float16", COARSE_SIZES)]
+    for dtype_name, sizes in plans:
+        dtype = getattr(torch, dtype_name)
+        t0 = time.perf_counter()
+        for layout in LAYOUTS:
+            for m in sizes:
+                for k in sizes:
+                    a = _operand(torch, m, k, layout[0] == "T", dtype)
+                    for n in sizes:
+                        b = _operand(torch, k, n, layout[1] == "T", dtype)
+                        rows.append({"dtype": dtype_name, "layout": layout, "m": m, "n": n, "k": k,
+                                     "s": time_it(lambda a=a, b=b: torch.mm(a, b))})
+        log(f"gemm {dtype_name}: {len(sizes) ** 3 * 4} shapes in {time.perf_counter() - t0:.1f} s")
+    return rows
+
+
+def _families(torch) -> dict[str, Callable[[int], Callable[[], Any]]]:
+    """family -> maker(bytes moved) -> op; each op moves about that many bytes."""
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def binary(nbytes):  # a + b -> c in bf16: 3 tensors
+        n = max(1, nbytes // 6)
+        a, b = torch.randn(n, device="cuda", dtype=bf16), torch.randn(n, device="cuda", dtype=bf16)
+        return lambda: torch.add(a, b)
+
+    def convert(nbytes):  # bf16 -> fp32: 6 bytes per element
+        a = torch.randn(max(1, nbytes // 6), device="cuda", dtype=bf16)
+        return lambda: a.float()
+
+    def reduction(nbytes):  # row sums of a [rows, 4096] fp32 matrix
+        n = max(4096, nbytes // 4)
+        a = torch.randn(n // 4096, 4096, device="cuda", dtype=f32)
+        return lambda: a.sum(dim=-1)
+
+    def softmax(nbytes):  # fp32 [rows, 2048]: read + write
+        n = max(2048, nbytes // 8)
+        a = torch.randn(n // 2048, 2048, device="cuda", dtype=f32)
+        return lambda: torch.softmax(a, dim=-1)
+
+    def layer_norm(nbytes):  # bf16 [rows, 4096]
+        n = max(4096, nbytes // 4)
+        a = torch.randn(n // 4096, 4096, device="cuda", dtype=bf16)
+        w = torch.ones(4096, device="cuda", dtype=bf16)
+        return lambda: torch.nn.functional.layer_norm(a, (4096,), w, w)
+
+    def gather(nbytes):  # embedding rows of 4096 bf16 (read + write)
+        rows = max(1, nbytes // (4096 * 4))
+        table = torch.randn(32000, 4096, device="cuda", dtype=bf16)
+        idx = torch.randint(0, 32000, (rows,), device="cuda")
+        return lambda: torch.nn.functional.embedding(idx, table)
+
+    def foreach(nbytes):  # Adam-like multi-tensor update: 64 fp32 tensors, x += y
+        n = max(64, nbytes // 12)
+        xs = [torch.randn(n // 64, device="cuda") for _ in range(64)]
+        ys = [torch.randn(n // 64, device="cuda") for _ in range(64)]
+        return lambda: torch._foreach_add_(xs, ys)
+
+    return {"elementwise": binary, "convert": convert, "reduction": reduction, "softmax": softmax,
+            "layer_norm": layer_norm, "gather": gather, "foreach": foreach}
+
+
+def sweep_families(torch, time_it, log: Callable[[str], None]) -> dict[str, list[list[float]]]:
+    curves = {}
+    for family, maker in _families(torch).items():
+        points = []
+        for nbytes in FAMILY_BYTES:
+            if family == "gather" and nbytes > (1 << 30):
+                continue
+            op = maker(nbytes)
+            points.append([float(nbytes), time_it(op)])
+            del op
+            torch.cuda.empty_cache()
+        curves[family] = points
+        log(f"family {family}: {len(points)} sizes")
+    return curves
+
+
+def host_figures(torch) -> dict[str, float]:
+    """Host seconds per small eager op, and the shortest kernel on the device."""
+    a = torch.ones(16, device="cuda")
+    torch.cuda.synchronize()
+    reps = 2000
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.add(a, a)
+    host = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    # the device side: many tiny kernels queued behind a long one so the host never starves it
+    torch.cuda._sleep(int(2e8))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        torch.add(a, a)
+    end.record()
+    end.synchronize()
+    return {"host_launch_s": host, "min_kernel_s": start.elapsed_time(end) * 1e-3 / reps}
+
+
+def _build(torch, spec: Any, device: str = "cuda") -> Any:
+    if isinstance(spec, list):
+        return [_build(torch, s, device) for s in spec]
+    if isinstance(spec, dict):
+        if "T" in spec:
+            dtype = getattr(torch, spec["dt"])
+            shape, stride = spec["T"], spec["st"]
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            if dtype.is_floating_point:
+                t.normal_()
+            else:
+                t.zero_()
+            return t
+        if "dtype" in spec:
+            return getattr(torch, spec["dtype"])
+        if "device" in spec:
+            return torch.device(device)
+        if "other" in spec:
+            return None
+        return {k: _build(torch, v, device) for k, v in spec.items()}
+    return spec
+
+
+def _scratch(torch, func, args, kwargs) -> list:
+    """The allocator events an op makes for memory it gives back before it returns (workspace,
+    contiguous copies of strided inputs), from the caching allocator's own trace of the call:
+    `[["alloc", i, bytes] | ["free", i], ...]` in order, `i` numbering the scratch blocks."""
+    memory = torch.cuda.memory
+    torch.cuda.synchronize()
+    memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=100_000)
+    try:
+        out = func(*args, **kwargs)
+        torch.cuda.synchronize()
+        trace = memory._snapshot()["device_traces"][0]
+    finally:
+        memory._record_memory_history(enabled=None)
+    del out
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    freed = {e["addr"] for e in trace if e["action"] == "free_requested"}
+    live, events, blocks = {}, [], 0
+    for e in trace:  # an address is reused after its free: each allocation is its own block
+        if e["action"] == "alloc" and e["addr"] in freed:
+            live[e["addr"]] = blocks
+            events.append(["alloc", blocks, int(e["size"])])
+            blocks += 1
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            events.append(["free", live.pop(e["addr"])])
+    return events if allocs else []
+
+
+def replay_ops(torch, time_it, signatures: list[dict], log: Callable[[str], None],
+               device: str = "cuda") -> list[dict]:
+    """Each signature run as is on random data; failures are listed, not fatal."""
+    from prism_megatron.kernels.signature import key_of
+
+    rows, failed = [], 0
+    for sig in signatures:
+        try:
+            namespace, name, overload = sig["op"].split(".")
+            func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+            args = _build(torch, sig["args"], device)
+            kwargs = {k: _build(torch, v, device) for k, v in sig["kwargs"]}
+            seconds = time_it(lambda: func(*args, **kwargs))
+            rows.append({"key": key_of(sig), "s": seconds, "scratch": _scratch(torch, func, args, kwargs)
+                         if device == "cuda" else []})
+        except Exception as err:  # noqa: BLE001 - an op that cannot be replayed is reported, not fatal
+            failed += 1
+            rows.append({"key": key_of(sig), "error": f"{type(err).__name__}: {str(err)[:120]}"})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    log(f"exact ops: {len(rows) - failed} timed, {failed} failed")
+    return rows
+
+
+def calibrate_kernels(out_path: str, ops_path: Optional[str] = None, quick: bool = False,
+                      log: Callable[[str], None] = print, grid: bool = True) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("calibrate --kernels measures a GPU and none is visible here; run it on the "
+                           "GPU machine (the result is a file to copy back)")
+    torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default: fp32 GEMMs are fp32
+    time_it = _timer(torch)
+    props = torch.cuda.get_device_properties(0)
+    data: dict[str, Any] = {
+        "format": FORMAT, "gpu": props.name, "sm_count": props.multi_processor_count,
+        "memory_bytes": props.total_memory, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d"), "host_figures": host_figures(torch),
+    }
+    data["exact"] = []
+    if ops_path:
+        with open(ops_path) as f:
+            signatures = json.load(f)["ops"]
+        data["exact"] = replay_ops(torch, time_it, signatures, log)
+    data["families"] = sweep_families(torch, time_it, log) if grid else {}
+    data["gemm"] = sweep_gemms(torch, time_it, log, COARSE_SIZES if quick else BF16_SIZES) if grid else []
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, out_path)
+    log(f"kernel calibration of {props.name}: {len(data['gemm'])} GEMMs, "
+        f"{sum(len(v) for v in data['families'].values())} family points, {len(data['exact'])} exact ops "
+        f"-> {out_path}")
+    return data
+
+
+def gemm_efficiency(row: dict, peak_flops: float) -> float:
+    return 2.0 * row["m"] * row["n"] * row["k"] / (row["s"] * peak_flops) if row["s"] > 0 else math.nan

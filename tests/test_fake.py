@@ -1,0 +1,207 @@
+"""Fake execution (emulation.execution=fake): the real megatron-core program on tensors without storage.
+
+- A tiny TP2 PP2 job captured with real and with fake tensors gives the same graph: the same
+  communication (op, group, bytes, dtype, sequence, peer), the same module-level compute sequence,
+  dependencies and pipeline spans, the same memory breakdown by category.
+- The aten ops of the training steps have the same shapes and dtypes, in the same order, with one
+  documented exception: autograd replays views of tensor subclasses instead of using `as_strided`,
+  so the backward of an in-place op on a view (CopySlices) differs in its bookkeeping ops.
+- Data-dependent values come from the scalar model; object collectives carry real data.
+- Memory is the CUDA caching allocator's (modelled); time is the kernel-cost model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prism_megatron.graph import load_graph
+from prism_megatron.kernels.model import GPU_SPECS, KernelCostModel
+from prism_megatron.kernels.signature import OpCall
+from prism_megatron.runtime.fake import CostClock, FakeExecution, ScalarModel, is_fake
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+ARGS = ["--device", "cpu", "--prism-virtual-world-size", "8", "--prism-sandbox-ranks", "5",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--train-iters", "2"]
+
+
+def _run(cmd: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fake")
+    config = tmp / "job.yaml"
+    config.write_text(
+        "emulation: {virtual_world_size: 8}\nparallel: {tp: 2, pp: 2}\n"
+        "model: {num_layers: 2, hidden_size: 32, num_attention_heads: 4, seq_length: 16}\n"
+        "train: {global_batch_size: 8, micro_batch_size: 2, iters: 2, device: cpu}\n")
+    graphs = {}
+    for execution in ("real", "fake"):
+        _run([sys.executable, "-m", "prism_megatron.cli", "capture", "--config", str(config), "--out",
+              str(tmp / execution), "--json", str(tmp / f"{execution}.json"),
+              f"emulation.execution={execution}"], tmp)
+        summary = json.loads((tmp / f"{execution}.json").read_text())
+        graphs[execution] = load_graph(summary["graph_path"])
+    return graphs
+
+
+def _program(graph, g) -> dict:
+    cols = g.columns
+    text = {name: [graph.string(int(i)) for i in cols[name]] for name in ("name", "stream", "op", "dim",
+                                                                         "dtype")}
+    nodes = list(zip(cols["kind"].tolist(), *text.values(), cols["nbytes"].tolist(), cols["seq"].tolist(),
+                     cols["peer_delta"].tolist()))
+    spans = list(zip([graph.string(int(i)) for i in g.spans["name"]], g.spans["microbatch"].tolist(),
+                     g.spans["first"].tolist(), g.spans["last"].tolist()))
+    return {"nodes": nodes, "deps": (g.dep_ptr.tolist(), g.dep_idx.tolist()), "spans": spans}
+
+
+@pytest.mark.parametrize("rank", [0, 3, 5, 6])
+def test_fake_and_real_capture_give_the_same_graph(captures, rank):
+    real, fake = captures["real"], captures["fake"]
+    a, b = _program(real, real.graph_of(rank)), _program(fake, fake.graph_of(rank))
+    assert a["nodes"] == b["nodes"], f"rank {rank}: nodes (compute sequence, collectives, p2p) differ"
+    assert a["deps"] == b["deps"] and a["spans"] == b["spans"]
+    assert any(n[3] == "send" for n in a["nodes"]) and any(n[3] == "all_reduce" for n in a["nodes"])
+    g_real, g_fake = real.graph_of(rank), fake.graph_of(rank)
+    assert g_fake.peak_by_category == g_real.peak_by_category  # exact bytes per category
+    assert g_fake.memory_source == "allocator-model" and g_real.memory_source == "tracker"
+    # the allocator rounds every block to 512 bytes and reserves whole segments
+    assert g_fake.peak_bytes >= g_real.peak_bytes and g_fake.peak_reserved_bytes >= g_fake.peak_bytes
+    assert fake.meta["execution"] == "fake" and fake.meta["device"] == "fake:h200"
+
+
+def _copy_slices_free(ops: list) -> list:
+    """Drop metadata-only ops and CopySlices' bookkeeping (see module docstring)."""
+    kept = [op for op in ops if not op[0].startswith("prim.")
+            and op[0] not in ("aten.view.default", "aten.as_strided.default", "aten.new_zeros.default")]
+    out = []
+    for op in kept:  # CopySlices' copy of the whole base (shape of the view's base, same dtype twice)
+        if op[0] == "aten.copy_.default" and out and out[-1][0] == "aten._softmax_backward_data.default":
+            continue
+        out.append(op)
+    return out
+
+
+def test_fake_and_real_training_steps_run_the_same_ops_with_the_same_shapes(tmp_path):
+    logs = {}
+    for execution in ("real", "fake"):
+        path = tmp_path / f"{execution}.json"
+        _run([sys.executable, str(REPO / "tests" / "op_log.py"), str(path), *ARGS,
+              "--prism-execution", execution], tmp_path)
+        logs[execution] = json.loads(path.read_text())
+    real, fake = logs["real"], logs["fake"]
+    assert any(op[0] == "prim.device.default" for op in fake)  # fake tensors answer .device by dispatch
+    assert sum(op[0] == "aten.new_zeros.default" for op in real) > 0  # CopySlices on real tensors
+    real, fake = _copy_slices_free(real), _copy_slices_free(fake)
+    assert len(real) > 500
+    assert real == fake
+
+
+def test_scalars_object_collectives_and_cuda_semantics_under_fake_execution():
+    scalars = ScalarModel(providers=[lambda t: [3, 1, 4] if t.numel() == 3 else None])
+    with FakeExecution(scalars=scalars):
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        assert is_fake(x) and x.untyped_storage().device.type == "meta"
+        assert float(x.sum()) == 1.0 and not bool(torch.isinf(x).any())
+        assert torch.ones(3, dtype=torch.int64).tolist() == [3, 1, 4]
+        assert int(torch.ones(2, dtype=torch.int64).sum()) == 1
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            a, b = torch.arange(3), torch.arange(3)
+        assert bool(torch.all(a == b).item()) is True  # all-real inputs run for real
+        _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [8], None, None, 1e-5)
+        assert mean.dtype == rstd.dtype == torch.float32  # as CUDA keeps them
+    assert not is_fake(torch.ones(1))
+
+
+def test_cost_clock_models_host_launches_and_device_time():
+    model = KernelCostModel.for_gpu("h200")
+    clock = CostClock(model)
+    with FakeExecution(clock=clock):
+        a = torch.randn(4096, 4096, dtype=torch.bfloat16)
+        start = clock.mark()
+        for _ in range(10):
+            a @ a
+        end = clock.mark()
+        tiny = torch.ones(4)
+        torch.cuda.synchronize()  # the host waits for the GEMMs: from here the host is the bottleneck
+        t0 = clock.mark()
+        for _ in range(100):
+            tiny.add_(1)
+        t1 = clock.mark()
+    gemm_s = (end - start) / 10
+    assert 2 * 4096 ** 3 / gemm_s == pytest.approx(650e12, rel=0.2)  # about what the H200 reaches
+    assert (t1 - t0) / 100 == pytest.approx(model.host_launch_s, rel=0.05)  # launch-bound stream
+    assert clock.by_source.get("exact", [0])[0] + clock.by_source.get("gemm-grid", [0])[0] >= 10
+
+
+def test_roofline_gpus_and_the_shipped_calibration():
+    h200 = KernelCostModel.for_gpu("h200")
+    assert h200.source.startswith("calibrated") and h200.exact and h200.grids and h200.families
+    with FakeExecution():
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16)
+        call = OpCall(torch.ops.aten.mm.default, (a, a), {}, a @ a)
+        big = torch.randn(1 << 26)
+        add = OpCall(torch.ops.aten.add.Tensor, (big, big), {}, big + big)
+    h100, a100 = KernelCostModel.for_gpu("h100"), KernelCostModel.for_gpu("a100")
+    assert h100.source == a100.source == "roofline"
+    t_h100, t_a100 = h100.predict(call)[0], a100.predict(call)[0]
+    assert t_h100 == pytest.approx(2 * 8192 ** 3 / (GPU_SPECS["h100"].peak_flops["bfloat16"] * 0.8))
+    assert t_a100 / t_h100 == pytest.approx(989 / 312)
+    assert h200.predict(call)[1] in ("gemm-grid", "exact")
+    assert h200.predict(call)[0] == pytest.approx(t_h100, rel=0.35)
+    assert add.bytes == 3 * (1 << 28)
+    assert a100.predict(add)[0] / h100.predict(add)[0] == pytest.approx(3.35 / 2.039)
+    with pytest.raises(ValueError, match="unknown target GPU"):
+        KernelCostModel.for_gpu("v100")
+
+
+def test_gemm_grid_predicts_the_measured_model_gemms():
+    """Off the exact table, the grid's interpolation predicts the large GEMMs of the [D] configs that
+    were measured as they are (hidden 4096, TP2 shards): median error within 25 %. (The grid, swept for
+    a minute back to back, reads 10-20 % slower than the same shapes replayed in short bursts; see
+    benchmarks/results/fake-2026-12-01.md.)"""
+    model = KernelCostModel.for_gpu("h200")
+    errors = []
+    grid_only = KernelCostModel(model.spec, grids=model.grids, families=model.families)
+    for key, seconds in model.exact.items():
+        sig = json.loads(key)
+        if sig["op"] not in ("aten.mm.default", "aten.addmm.default") or seconds < 50e-6:
+            continue
+        call = OpCall.__new__(OpCall)
+        call.sig, call.kind = sig, "gemm"
+        from prism_megatron.kernels.signature import gemm_dims
+
+        batch, m, n, k, _, _ = gemm_dims(sig)
+        call.flops, call.bytes = 2.0 * batch * m * n * k, 0.0
+        predicted, source = grid_only.predict(call)
+        assert source == "gemm-grid"
+        errors.append(abs(predicted / seconds - 1))
+    errors.sort()
+    assert len(errors) >= 10
+    assert errors[len(errors) // 2] < 0.25
+
+
+def test_bad_execution_settings_are_one_line_and_exit_2(tmp_path):
+    for override, message in [("emulation.execution=maybe", "emulation.execution='maybe' is unknown"),
+                              ("emulation.target_gpu=v100", "unknown target GPU 'v100'")]:
+        proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "train",
+                               "emulation.virtual_world_size=8", "emulation.sandbox_ranks=[0]",
+                               "parallel.tp=2", "parallel.pp=2", "emulation.execution=fake", override],
+                              capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
