@@ -33,7 +33,7 @@ from prism_megatron.util import atomic_write_text  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny_8192.yaml"))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)

@@ -71,7 +71,7 @@ def main() -> int:
             from prism_megatron.config import load_config
 
             cfg = load_config(["emulation.sandbox_ranks=[]", "train.device=cpu"],
-                              str(REPO / "configs" / "default.yaml"))
+                              str(REPO / "configs" / "tiny_8192.yaml"))
             graph = Capture(cfg, os.path.join(tmp, "cap"), log=lambda s: None).run().graph_path
         rows = []
         print(f"{'N':>7}{'micro':>7}{'nodes/role':>12}{'classes':>9}{'sim s':>8}{'RSS MB':>9}"

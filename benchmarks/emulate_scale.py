@@ -35,7 +35,7 @@ from prism_megatron.util import atomic_write_text  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--config", default=str(REPO / "configs" / "default.yaml"))
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny_8192.yaml"))
     parser.add_argument("--graph", default=None, help="a captured graph (default: capture the config)")
     parser.add_argument("--sandbox", nargs="+", default=["first-stage", "4711", "last-stage"])
     parser.add_argument("--cluster", default="dgx_h100")

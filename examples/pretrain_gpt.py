@@ -178,8 +178,15 @@ def train(cfg, inst, summary_path):
                "ghost_policy": cfg.emulation.ghost_policy if inst.virtual else None,
                "backend_host_s_per_iteration": [], "allocator_per_iteration": []}
     log = inst.session.log if inst.session is not None else None
+    # fake execution (a GPU-sized rank on a CPU): times come from the target GPU's kernel-cost model
+    clock = inst.fake.clock if inst.fake is not None else None
+    if clock is not None:
+        print(f" [rank {rank}] execution: fake (tensors without storage); kernel times of "
+              f"{cfg.emulation.target_gpu}, {clock.model.source}; memory: CUDA caching-allocator model",
+              flush=True)
     for it in range(1, t.iters + 1):
         start = time.perf_counter()
+        start_modelled = clock.mark() if clock is not None else 0.0
         backend_start = log.host_s if log is not None else 0.0
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -195,6 +202,9 @@ def train(cfg, inst, summary_path):
         if device == "cuda":
             torch.cuda.synchronize()
         elapsed_ms = (time.perf_counter() - start) * 1e3
+        if clock is not None:  # the rank's own modelled time; ghosts answer at once (no waits)
+            clock.sync()
+            elapsed_ms = (clock.mark() - start_modelled) * 1e3
         summary["losses"].append(loss)
         summary["grad_norms"].append(float(grad_norm) if grad_norm is not None else None)
         summary["iteration_times_ms"].append(elapsed_ms)
@@ -205,8 +215,14 @@ def train(cfg, inst, summary_path):
             summary["allocator_per_iteration"].append(
                 {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS})
         shown = "n/a" if loss is None else f"{loss:.6E}"
+        where = f" (modelled on {cfg.emulation.target_gpu})" if clock is not None else ""
         print(f" [rank {rank}] iteration {it}/{t.iters} | lm loss: {shown} | grad norm: "
-              f"{summary['grad_norms'][-1]} | iteration time (ms): {elapsed_ms:.1f}", flush=True)
+              f"{summary['grad_norms'][-1]} | iteration time (ms){where}: {elapsed_ms:.1f}", flush=True)
+    if clock is not None:
+        allocator = inst.tracker.allocator
+        print(f" [rank {rank}] predicted peak memory on {cfg.emulation.target_gpu}: allocated "
+              f"{allocator.peak_allocated / 2**30:.2f} GiB, reserved "
+              f"{allocator.peak_reserved / 2**30:.2f} GiB", flush=True)
     _finish(summary, inst, summary_path)
 
 

@@ -20,7 +20,8 @@
                                                                          per-rank MoE peaks; exit 3 on OOM
 
 Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
-(one rank of a TP8 PP16 DP64 job of 8192 ranks). Bad input prints one line and exits with status 2.
+(rank 4711 of GPT-175B on 8192 H200s, TP8 PP16 DP64; on a CPU under fake execution). Bad input
+prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import signal
 import sys
 import warnings
@@ -40,7 +42,8 @@ from prism_megatron.config.flags import _SECTIONS, OneLineParser, field_docs
 from prism_megatron.util import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(os.environ.get("PRISM_DEFAULT_CONFIG") or REPO / "configs" / "default.yaml")
+"""The config used without --config (`PRISM_DEFAULT_CONFIG` names another, as the tests do)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--min-bytes", default="1KiB", help="smallest size (default 1KiB)")
             cmd.add_argument("--max-bytes", default=None, help="largest size (default 1GiB; 64MiB on CPU)")
             cmd.add_argument("--out", required=True, help="calibration JSON to write")
+            cmd.add_argument("--kernels", action="store_true",
+                             help="instead of collectives: time this GPU's kernels (GEMM grid, memory-bound "
+                                  "families, host launch) for fake execution's kernel-cost model")
+            cmd.add_argument("--ops", default=None,
+                             help="with --kernels: also replay every op of this list as is (written by a "
+                                  "fake run with PRISM_FAKE_OPS=FILE)")
+            cmd.add_argument("--quick", action="store_true", help="with --kernels: a coarse GEMM grid")
             continue
         if name == "faults":
             from prism_megatron.faults.cli import add_arguments
@@ -292,6 +302,21 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _memory_by_stage(graph, capacity_bytes: int) -> dict:
+    """Each pipeline stage's largest peak (allocated, reserved) over its roles, and the verdict."""
+    stages: dict = {}
+    for role, g in graph.roles.items():
+        row = stages.setdefault(role.pp, {"pp": role.pp, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
+                                          "source": g.memory_source})
+        row["peak_allocated_bytes"] = max(row["peak_allocated_bytes"], int(g.peak_bytes))
+        row["peak_reserved_bytes"] = max(row["peak_reserved_bytes"], int(g.peak_reserved_bytes))
+    rows = [stages[k] for k in sorted(stages)]
+    worst = max(rows, key=lambda r: r["peak_reserved_bytes"])
+    return {"stages": rows, "max_reserved_bytes": worst["peak_reserved_bytes"],
+            "max_allocated_bytes": max(r["peak_allocated_bytes"] for r in rows), "max_stage": worst["pp"],
+            "capacity_bytes": int(capacity_bytes), "oom": worst["peak_reserved_bytes"] > capacity_bytes}
+
+
 def _cmd_simulate(args) -> int:
     from prism_megatron.emulate.cli import load_calibration
     from prism_megatron.graph import load_graph
@@ -330,12 +355,19 @@ def _cmd_simulate(args) -> int:
     print(f"N={world.world_size} ranks as {len(result.classes)} classes on {cluster.name} "
           f"(compute durations captured on {summary['compute_durations_from']}); simulated in "
           f"{result.sim_wall_s:.3f} s")
-    if graph.meta.get("microbatches"):
-        mb = graph.meta["microbatches"]
+    mb = graph.meta.get("microbatches")
+    if isinstance(mb, dict):  # rewritten by `microbatches=M` (an int: as captured)
         print(f"microbatches: {mb['simulated']} per iteration (captured with {mb['captured']}; the steady "
               "1F1B unit repeated or removed)")
     print(f"iteration time {result.iteration_s * 1e3:.3f} ms | {figures['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {figures['mfu'] * 100:.2f}%")
+    summary["memory"] = _memory_by_stage(graph, cluster.gpu_memory_bytes)
+    for row in summary["memory"]["stages"]:
+        print(f"  stage {row['pp']:>3}: peak allocated {row['peak_allocated_bytes'] / 2**30:8.2f} GiB, "
+              f"reserved {row['peak_reserved_bytes'] / 2**30:8.2f} GiB ({row['source']})")
+    m = summary["memory"]
+    print(f"peak memory per rank: {m['max_reserved_bytes'] / 2**30:.2f} GiB reserved at most (stage "
+          f"{m['max_stage']}) of {cluster.gpu_memory_bytes / 2**30:.1f} GiB: {'OOM' if m['oom'] else 'fits'}")
     slowest = max(result.classes, key=lambda c: c.iteration_s)
     print(f"slowest class (rank {slowest.representative}, {slowest.members} ranks): compute "
           f"{slowest.compute_s * 1e3:.3f} ms, exposed comm {slowest.exposed_comm_s * 1e3:.3f} ms, "
@@ -356,6 +388,20 @@ def _cmd_simulate(args) -> int:
 
 def _cmd_calibrate(args) -> int:
     import torch
+
+    if args.kernels:
+        from prism_megatron.kernels.calibrate import calibrate_kernels
+
+        if args.ops and not os.path.isfile(args.ops):
+            raise ConfigError(f"--ops {args.ops}: no such file; write one with a fake run "
+                              "(PRISM_FAKE_OPS=FILE prism-megatron train emulation.execution=fake ...)")
+        if not torch.cuda.is_available():
+            raise ConfigError("calibrate --kernels measures a GPU and none is visible here; run it on the "
+                              "GPU machine and pass the file as emulation.target_gpu=FILE")
+        calibrate_kernels(args.out, args.ops, quick=args.quick)
+        return 0
+    if args.ops or args.quick:
+        raise ConfigError("--ops and --quick go with --kernels")
 
     from prism_megatron.comm.calibrate import calibrate, parse_size
 

@@ -68,6 +68,9 @@ def test_presets_yaml_and_overrides_merge_in_order(tmp_path):
 def test_shipped_configs_load():
     default = load_config([], str(REPO / "configs" / "default.yaml"))
     assert default.emulation.virtual_world_size == 8192 and default.emulation.sandbox_ranks == [4711]
+    assert default.model.hidden_size == 12288 and default.emulation.execution == "auto"
+    tiny = load_config([], str(REPO / "configs" / "tiny_8192.yaml"))
+    assert tiny.emulation.virtual_world_size == 8192 and tiny.model.hidden_size == 64
     moe = load_config([], str(REPO / "configs" / "moe_8192.yaml"))
     assert moe.model.num_experts == 8 and moe.parallel.ep == 8
 

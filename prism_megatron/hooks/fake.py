@@ -2,7 +2,9 @@
 
 `resolve_execution` turns `emulation.execution=auto` into `real` when this device can hold the rank's
 model state (parameters, gradients, optimizer state: estimated from the model config, 18 bytes per
-parameter for mixed precision with Adam, 16 in fp32) in half its memory, else `fake`. `install_fake`
+parameter for mixed precision with Adam, 16 in fp32) in half its memory and, on a CPU, the iteration's
+work (6 FLOPs per parameter and token) stays under `CPU_REAL_FLOPS` (a few minutes of a CPU core);
+else `fake`: a CPU can hold a GPU-sized rank but not predict its GPU time by running it. `install_fake`
 activates `runtime.fake.FakeExecution` with a `CostClock` of the target GPU and feeds the CPU
 runtime's storage tracker into an `AllocatorModel`, whose figures `torch.cuda.memory_*` then report:
 the program sees the memory a GPU would report.
@@ -18,7 +20,10 @@ import torch
 from prism_megatron.config import ConfigError
 from prism_megatron.config.schema import PrismConfig
 
-__all__ = ["fake_summary", "install_fake", "rank_parameters", "resolve_execution"]
+__all__ = ["CPU_REAL_FLOPS", "fake_summary", "install_fake", "rank_parameters", "resolve_execution"]
+
+CPU_REAL_FLOPS = 2e13
+"""Most work per iteration (FLOPs) that `execution=auto` runs for real on a CPU."""
 
 
 def rank_parameters(cfg: PrismConfig) -> float:
@@ -54,8 +59,13 @@ def resolve_execution(cfg: PrismConfig, device: str) -> str:
     if cfg.emulation.virtual_world_size is None or device != "cpu":
         return "real"
     per_param = 16 if cfg.model.params_dtype == "fp32" else 18
-    need = rank_parameters(cfg) * per_param
-    return "real" if need <= _device_bytes(device) // 2 else "fake"
+    params = rank_parameters(cfg)
+    if params * per_param > _device_bytes(device) // 2:
+        return "fake"
+    t, world = cfg.train, cfg.emulation.virtual_world_size
+    dp = max(1, world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    tokens = t.global_batch_size // dp * cfg.model.seq_length
+    return "real" if 6 * params * tokens <= CPU_REAL_FLOPS else "fake"
 
 
 def install_fake(inst: Any) -> None:

@@ -19,8 +19,8 @@ What cannot be faked is answered instead of failing:
 - megatron-core's fallback gradient-norm kernel builds a tensor from a list of norms with
   `torch.tensor(list)`, which reads data; it is replaced by the same sum over `torch.stack`.
 
-Time: `CostClock` is the recorder's clock under fake execution. `_CostMode` sees every aten op after
-it ran (fake) and advances a modelled host and device stream: the host pays the GPU's per-op launch
+Time: `CostClock` is the recorder's clock under fake execution. `_FakeMode` hands it every aten op
+after it ran (fake) and advances a modelled host and device stream: the host pays the GPU's per-op launch
 time, the device starts a kernel when both it and the launch are ready and runs it for the
 kernel-cost model's duration (`kernels/model.py`); `.item()` and `synchronize` join them. A mark is
 the device time at which an event recorded there would complete. Every op's signature can be kept
@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_te
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prism_megatron.kernels.model import KernelCostModel
-from prism_megatron.kernels.signature import OpCall, key_of
+from prism_megatron.kernels.signature import OpCall
 from prism_megatron.runtime.patching import PatchSet
 
 __all__ = ["CostClock", "FakeExecution", "ScalarModel", "is_fake"]
@@ -120,17 +120,23 @@ def _all_real(args: tuple, kwargs: dict) -> bool:
     return seen
 
 
-class _ScalarMode(TorchDispatchMode):
-    """Answers `_local_scalar_dense` of fake tensors from the `ScalarModel`."""
+class _FakeMode(TorchDispatchMode):
+    """The one dispatch mode of fake execution above FakeTensorMode (one layer: every layer costs
+    Python per op): answers `_local_scalar_dense` of fake tensors from the `ScalarModel`, runs ops on
+    real tensors for real, applies the CUDA semantics listed in the module docstring, and hands every
+    op on fake tensors to the `CostClock`."""
 
-    def __init__(self, model: ScalarModel) -> None:
+    def __init__(self, model: ScalarModel, clock: Optional["CostClock"]) -> None:
         super().__init__()
         self.model = model
-        self._pending: list = []  # element values of the last tensor a provider answered
+        self.clock = clock
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        clock = self.clock
         if func is _ITEM and is_fake(args[0]):
+            if clock is not None:
+                clock.sync()  # the host waits for the device to read a value
             return self._item(args[0])
         if _all_real(args, kwargs):  # real in, real out (e.g. comparing RNG states)
             with unset_fake_temporarily():
@@ -138,8 +144,12 @@ class _ScalarMode(TorchDispatchMode):
         if func is _ADD and not kwargs and _engine_accumulation(args):
             # the autograd engine summing two gradients of one tensor: on a GPU it adds in place into
             # a buffer nothing else holds; for tensor subclasses (fake) it allocates a new sum
+            if clock is not None:
+                clock.account(func, args, kwargs, args[0])
             return args[0]
         out = func(*args, **kwargs)
+        if clock is not None:
+            clock.account(func, args, kwargs, out)
         if func is _LAYER_NORM and out[1].dtype in _REDUCED:
             # CUDA keeps a reduced-precision layer norm's mean and rstd in fp32 (the CPU meta kernel
             # gives them the input's dtype): what a GPU allocates, and what its backward expects
@@ -167,6 +177,7 @@ class CostClock:
         self.allocator = allocator
         """The AllocatorModel that also takes each op's scratch (borrowed and returned inside it)."""
         self.scratch_ops = 0
+        self._known: dict = {}
         self.host_s = 0.0
         self.device_s = 0.0
         self.ops: Optional[dict] = {} if keep_ops else None
@@ -190,17 +201,26 @@ class CostClock:
         return np.asarray(marks, dtype="f8") - float(origin)
 
     def account(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        call = OpCall(func, args, kwargs, out)
-        if call.kind == "comm":
+        key = (func, _fast_key(args), _fast_key(tuple(kwargs.items())) if kwargs else ())
+        known = self._known.get(key)
+        if known is None:  # the signature, prediction and scratch of a call seen before are reused
+            call = OpCall(func, args, kwargs, out)
+            if call.kind in ("comm", "free"):
+                known = (call.kind, 0.0, "free", (), None)
+            else:
+                seconds, source = self.model.predict(call)
+                known = (call.kind, seconds, source, tuple(self.model.scratch_events(call)),
+                         call.sig if self.ops is not None else None)
+            self._known[key] = known
+        kind, seconds, source, events, sig = known
+        if kind == "comm":
             return
-        seconds, source = self.model.predict(call)
-        if call.kind == "free":
+        if kind == "free":
             self.host_s += 0.25 * self.model.host_launch_s
             return
         self.host_s += self.model.host_launch_s
         self.device_s = max(self.device_s, self.host_s) + seconds
         if self.allocator is not None:
-            events = self.model.scratch_events(call)
             for event in events:
                 if event[0] == "alloc":
                     self.allocator.malloc((self, event[1]), event[2])
@@ -211,29 +231,28 @@ class CostClock:
         tally[0] += 1
         tally[1] += seconds
         if self.ops is not None:
-            key = key_of(call.sig)
             entry = self.ops.get(key)
             if entry is None:
-                self.ops[key] = {"sig": call.sig, "calls": 1, "s": seconds, "source": source}
+                self.ops[key] = {"sig": sig, "calls": 1, "s": seconds, "source": source}
             else:
                 entry["calls"] += 1
 
 
-class _CostMode(TorchDispatchMode):
-    """Hands every op (after it ran, on fake tensors) to the `CostClock`."""
-
-    def __init__(self, clock: CostClock) -> None:
-        super().__init__()
-        self.clock = clock
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is _ITEM:
-            self.clock.sync()
+def _fast_key(values: tuple) -> tuple:
+    """A hashable summary of call arguments: tensors by shape, strides and dtype; the rest as is."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append((value.shape, value.stride(), value.dtype))
+        elif isinstance(value, (list, tuple)):
+            out.append(_fast_key(tuple(value)))
         else:
-            self.clock.account(func, args, kwargs, out)
-        return out
+            try:
+                hash(value)
+                out.append(value)
+            except TypeError:
+                out.append(type(value).__name__)
+    return tuple(out)
 
 
 def _unfaked(fn: Callable) -> Callable:
@@ -292,8 +311,7 @@ class FakeExecution:
     clock: Optional[CostClock] = None
     """Advanced by every op when given (the recorder's clock); None: no timing."""
     mode: Optional[FakeTensorMode] = field(default=None, repr=False)
-    _scalar_mode: Optional[_ScalarMode] = field(default=None, repr=False)
-    _cost_mode: Optional[_CostMode] = field(default=None, repr=False)
+    _fake_mode: Optional[_FakeMode] = field(default=None, repr=False)
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
 
     @property
@@ -317,20 +335,16 @@ class FakeExecution:
         self.mode.__enter__()
         if self.clock is not None:
             self._patches.patch(torch.cuda, "synchronize", self.clock.sync)
-            self._cost_mode = _CostMode(self.clock)
-            self._cost_mode.__enter__()
-        self._scalar_mode = _ScalarMode(self.scalars)
-        self._scalar_mode.__enter__()
+        self._fake_mode = _FakeMode(self.scalars, self.clock)
+        self._fake_mode.__enter__()
         return self
 
     def deactivate(self) -> None:
         if not self.active:
             return
-        self._scalar_mode.__exit__(None, None, None)
-        if self._cost_mode is not None:
-            self._cost_mode.__exit__(None, None, None)
+        self._fake_mode.__exit__(None, None, None)
         self.mode.__exit__(None, None, None)
-        self.mode = self._scalar_mode = self._cost_mode = None
+        self.mode = self._fake_mode = None
         self._patches.restore()
 
     def __enter__(self) -> "FakeExecution":

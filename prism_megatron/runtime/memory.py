@@ -389,11 +389,12 @@ class StorageTracker:
                     self._account(item, kind)
 
     def _account(self, tensor: torch.Tensor, kind: int) -> None:
-        if not tensor.is_cpu:
-            return
-        try:
+        try:  # the storage's device, not tensor.is_cpu: a fake tensor answers that by a dispatch
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
+            return
+        device = storage.device.type
+        if device != "cpu" and (device != "meta" or self.allocator is None):
             return
         key = storage._cdata
         record = self._live.get(key)
