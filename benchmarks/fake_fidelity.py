@@ -41,9 +41,11 @@ REAL = {  # config -> committed real 2x H200 runs (issue 5), newest calibration 
             "fidelity-h200x2-2026-11-30-tp2-zero2-devicecal.json"],
     "pp2_1f1b": ["fidelity-h200x2-2026-11-30-devicecal-three.json"],
     "dp2_distopt_overlap": ["fidelity-h200x2-2026-11-30-devicecal-three.json"],
+    "moe_ep2": ["fidelity-h200x2-2026-11-30-devicecal-moe.json"],
 }
 MEMORY = RESULTS / "gpu-memory-h200-2026-12-01"
-MEMORY_FILES = {"tp2": "tp2.npz", "pp2_1f1b": "pp2.npz", "dp2_distopt_overlap": "dp2.npz"}
+MEMORY_FILES = {"tp2": "tp2.npz", "pp2_1f1b": "pp2.npz", "dp2_distopt_overlap": "dp2.npz",
+                "moe_ep2": "moe.npz"}
 
 
 def real_figures(name: str, extra: list[str]) -> dict:

@@ -112,13 +112,18 @@ def test_fake_and_real_training_steps_run_the_same_ops_with_the_same_shapes(tmp_
 
 
 def test_scalars_object_collectives_and_cuda_semantics_under_fake_execution():
-    scalars = ScalarModel(providers=[lambda t: [3, 1, 4] if t.numel() == 3 else None])
+    scalars = ScalarModel(providers=[lambda t: [3, 1, 4, 1] if t.numel() == 4 else None])
     with FakeExecution(scalars=scalars):
         x = torch.randn(4, 8, dtype=torch.bfloat16)
         assert is_fake(x) and x.untyped_storage().device.type == "meta"
         assert float(x.sum()) == 1.0 and not bool(torch.isinf(x).any())
-        assert torch.ones(3, dtype=torch.int64).tolist() == [3, 1, 4]
-        assert int(torch.ones(2, dtype=torch.int64).sum()) == 1
+        counts = (x > 0).sum(dim=1)  # integers computed from fake data: the provider answers
+        assert is_fake(counts) and counts.tolist() == [3, 1, 4, 1]
+        assert int(counts.sum()) == 1  # no provider for one element: the scalar model's integer
+        # integer factories (counts, indices, masks decide shapes) are real, with real values
+        index = torch.arange(5)
+        assert not is_fake(index) and index.tolist() == [0, 1, 2, 3, 4]
+        assert not is_fake(torch.zeros(3, dtype=torch.long)) and is_fake(torch.zeros(3))
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             a, b = torch.arange(3), torch.arange(3)
         assert bool(torch.all(a == b).item()) is True  # all-real inputs run for real
@@ -205,3 +210,31 @@ def test_bad_execution_settings_are_one_line_and_exit_2(tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert message in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+MOE = ["--device", "cpu", "--prism-virtual-world-size", "2", "--prism-sandbox-ranks", "0",
+       "--expert-model-parallel-size", "2", "--num-experts", "4", "--moe-router-topk", "2",
+       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2"]
+
+
+def test_moe_under_fake_execution_routes_by_the_model_like_the_real_run(tmp_path):
+    """Token counts are data: under fake execution they come from the routing model and are real
+    integers, so the dispatcher's splits and every expert's tokens, hence memory and communication,
+    equal the real run's."""
+    summaries = {}
+    for execution in ("real", "fake"):
+        path = tmp_path / f"{execution}.json"
+        _run([sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *MOE, "--prism-moe-imbalance",
+              "zipf(1.2)", "--prism-execution", execution, "--prism-summary-json", str(path)], tmp_path)
+        summaries[execution] = json.loads(path.read_text())
+    real, fake = summaries["real"], summaries["fake"]
+    assert fake["memory"]["peak_by_category"] == real["memory"]["peak_by_category"]
+    assert fake["memory"]["peak_allocated_bytes"] == real["memory"]["peak_allocated_bytes"]
+    assert fake["comm"] == real["comm"] and any(r["op"] == "all_to_all" for r in real["comm"])
+    assert fake["execution"]["mode"] == "fake" and fake["execution"]["peak_reserved_bytes"] > 0
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *MOE,
+                           "--prism-execution", "fake"], capture_output=True, text=True, env=ENV,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and "needs a routing model" in proc.stderr
+    assert "Traceback" not in proc.stderr

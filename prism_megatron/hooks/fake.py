@@ -89,9 +89,51 @@ def install_fake(inst: Any) -> None:
         "max_memory_reserved": lambda device=None: allocator.peak_reserved,
     }.items():
         inst.patch(cuda, name, value)
+    if inst.cfg.model.num_experts:
+        _route_fake_moe(inst)
     keep_ops = bool(os.environ.get("PRISM_FAKE_OPS"))
-    inst.fake = FakeExecution(clock=CostClock(model, keep_ops=keep_ops, allocator=allocator)).activate()
+    clock = CostClock(model, keep_ops=keep_ops, allocator=allocator)
+    if model.host_reference_s:  # the target's host against this one, on the same host workload
+        from prism_megatron.kernels.calibrate import host_reference_s
+
+        clock.host_scale = model.host_reference_s / host_reference_s()
+    inst.fake = FakeExecution(clock=clock).activate()
     inst._exits.append(lambda: _finish(inst))
+
+
+def _route_fake_moe(inst: Any) -> None:
+    """MoE under fake execution: which tokens go where is data, so it comes from the routing model.
+
+    The router's top-k comes from `moe.imbalance` (moe/routing.py, as with real tensors); its routing
+    map is then made a real bool tensor from those indices, so the dispatcher's token counts, split
+    sizes and permutation indices are real and every expert computes on the modelled number of tokens
+    (hidden states and probabilities stay fake)."""
+    if inst.cfg.moe.imbalance == "none":
+        raise ConfigError("fake execution of an MoE model needs a routing model (which tokens go where is "
+                          "data); set moe.imbalance, e.g. moe.imbalance=uniform or zipf(1.2)")
+    if inst.cfg.model.moe_expert_capacity_factor is not None:
+        raise ConfigError("fake execution does not support model.moe_expert_capacity_factor yet (token "
+                          "dropping reads the router's probabilities); run it with emulation.execution=real")
+    from megatron.core.transformer.moe import router
+
+    from prism_megatron.moe.routing import ModelledTopk
+    from prism_megatron.runtime.fake import is_fake
+
+    original = router.topk_routing_with_score_function
+
+    def routing(logits, topk, *args, **kwargs):
+        probs, routing_map = original(logits, topk, *args, **kwargs)
+        replay = kwargs.get("router_replay")
+        if is_fake(routing_map) and isinstance(replay, ModelledTopk) and replay.last_indices is not None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                real = torch.zeros(routing_map.shape, dtype=torch.bool)
+                real.scatter_(1, replay.last_indices, True)
+            routing_map = real
+        return probs, routing_map
+
+    inst.patch(router, "topk_routing_with_score_function", routing)
 
 
 def _finish(inst: Any) -> None:
@@ -111,6 +153,7 @@ def _finish(inst: Any) -> None:
 def fake_summary(inst: Any) -> dict:
     clock, allocator = inst.fake.clock, inst.runtime.tracker.allocator
     return {"mode": "fake", "target_gpu": inst.cfg.emulation.target_gpu, "kernel_model": clock.model.source,
+            "host_scale": clock.host_scale,
             "peak_allocated_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
             "device_s": clock.device_s,
             "ops_by_source": {k: {"ops": v[0], "device_s": v[1]} for k, v in clock.by_source.items()}}

@@ -143,8 +143,28 @@ def sweep_families(torch, time_it, log: Callable[[str], None]) -> dict[str, list
     return curves
 
 
+def host_reference_s(repeats: int = 3) -> float:
+    """Seconds of a fixed host workload (Python loops, dicts, small numpy sorts: what a routing model
+    and a dispatcher's bookkeeping do between kernels), the fastest of `repeats`. Its ratio between
+    the GPU machine's host and this one scales host work measured under fake execution."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 64, size=(64, 8))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        table: dict = {}
+        for i in range(20_000):
+            row = counts[i % 64]
+            order = np.argsort(-row, kind="stable")[:2]
+            table[i % 512] = table.get(i % 512, 0) + int(order[0]) + len(str(i))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def host_figures(torch) -> dict[str, float]:
-    """Host seconds per small eager op, and the shortest kernel on the device."""
+    """Host seconds per small eager op, the shortest kernel on the device, and the host reference."""
     a = torch.ones(16, device="cuda")
     torch.cuda.synchronize()
     reps = 2000
@@ -161,7 +181,8 @@ def host_figures(torch) -> dict[str, float]:
         torch.add(a, a)
     end.record()
     end.synchronize()
-    return {"host_launch_s": host, "min_kernel_s": start.elapsed_time(end) * 1e-3 / reps}
+    return {"host_launch_s": host, "min_kernel_s": start.elapsed_time(end) * 1e-3 / reps,
+            "host_reference_s": host_reference_s()}
 
 
 def _build(torch, spec: Any, device: str = "cuda") -> Any:

@@ -163,6 +163,8 @@ class KernelCostModel:
     strided input that the kernel copies, for one)."""
     host_launch_s: float = 0.0
     min_kernel_s: float = 0.0
+    host_reference_s: float = 0.0
+    """Seconds of `calibrate.host_reference_s()` on the GPU machine's host (0: unknown)."""
 
     def __post_init__(self) -> None:
         self.host_launch_s = self.host_launch_s or self.spec.host_launch_s
@@ -227,6 +229,7 @@ class KernelCostModel:
         host = data.get("host_figures", {})
         return cls(spec, exact=exact, grids=grids, families=families, calibration=str(path),
                    host_launch_s=host.get("host_launch_s", 0.0), min_kernel_s=host.get("min_kernel_s", 0.0),
+                   host_reference_s=host.get("host_reference_s", 0.0),
                    exact_scratch=exact_scratch, scratch_rule=scratch_rule)
 
     @property

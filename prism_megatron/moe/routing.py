@@ -62,6 +62,7 @@ class ModelledTopk:
         self._source, self._microbatches = source_rank, microbatches
         self.calls = 0
         self.last_counts: Optional[np.ndarray] = None
+        self.last_indices: Optional[torch.Tensor] = None  # [tokens, topk], a real tensor
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
                         group_topk: Optional[int] = None, default_compute_topk=None):
@@ -79,6 +80,7 @@ class ModelledTopk:
         self.last_counts = counts
         rmap = routing_map(counts, tokens, topk)
         indices = torch.from_numpy(np.nonzero(rmap)[1].reshape(tokens, topk)).to(scores.device)
+        self.last_indices = indices
         return scores.gather(1, indices), indices
 
 

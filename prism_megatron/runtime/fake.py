@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -50,11 +51,14 @@ from prism_megatron.runtime.patching import PatchSet
 
 __all__ = ["CostClock", "FakeExecution", "ScalarModel", "is_fake"]
 
+HOST_GAP_ALLOWANCE_S = 5e-4
+"""Host time between two ops that is per-op overhead, not program work (see CostClock.host_work)."""
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                        "scatter_object_list", "send_object_list", "recv_object_list")
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
 _ADD = torch.ops.aten.add.Tensor
+_MASKED_SELECT = torch.ops.aten.masked_select.default
 _FUNCTION_PY = os.path.join(os.path.dirname(torch.__file__), "autograd", "function.py")
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -107,8 +111,9 @@ def _engine_accumulation(args: tuple) -> bool:
     return True
 
 
-def _all_real(args: tuple, kwargs: dict) -> bool:
-    """True when the call has tensor arguments and none of them is fake."""
+def _all_real(func: Any, args: tuple, kwargs: dict) -> bool:
+    """True when the call has tensor arguments and none of them is fake, or is a factory of integer or
+    bool tensors (counts, indices, masks: their values decide shapes, so they are kept real)."""
     seen = False
     for value in (*args, *kwargs.values()):
         items = value if isinstance(value, (list, tuple)) else (value,)
@@ -117,7 +122,15 @@ def _all_real(args: tuple, kwargs: dict) -> bool:
                 if is_fake(item):
                     return False
                 seen = True
-    return seen
+    if seen:
+        return True
+    dtype = kwargs.get("dtype")
+    if dtype is None:  # arange of integers and randint default to int64
+        name = func.__name__
+        if name.startswith("arange") and all(isinstance(a, int) for a in args):
+            return True
+        return name.startswith("randint")
+    return isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex)
 
 
 class _FakeMode(TorchDispatchMode):
@@ -130,15 +143,24 @@ class _FakeMode(TorchDispatchMode):
         super().__init__()
         self.model = model
         self.clock = clock
+        self._left = None  # perf_counter when the last op's dispatch returned
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        entered = time.perf_counter()
+        try:
+            return self._dispatch(func, args, kwargs or {}, entered)
+        finally:
+            self._left = time.perf_counter()
+
+    def _dispatch(self, func, args, kwargs, entered):
         clock = self.clock
+        if clock is not None and self._left is not None:
+            clock.host_work(entered - self._left)
         if func is _ITEM and is_fake(args[0]):
             if clock is not None:
                 clock.sync()  # the host waits for the device to read a value
             return self._item(args[0])
-        if _all_real(args, kwargs):  # real in, real out (e.g. comparing RNG states)
+        if _all_real(func, args, kwargs):  # real in, real out (e.g. comparing RNG states)
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         if func is _ADD and not kwargs and _engine_accumulation(args):
@@ -147,7 +169,14 @@ class _FakeMode(TorchDispatchMode):
             if clock is not None:
                 clock.account(func, args, kwargs, args[0])
             return args[0]
-        out = func(*args, **kwargs)
+        if func is _MASKED_SELECT and is_fake(args[0]) and not is_fake(args[1]):
+            # the mask is real (MoE routing from the routing model): the output's length is known
+            with unset_fake_temporarily():
+                count = int(torch.broadcast_to(args[1], torch.broadcast_shapes(
+                    args[0].shape, args[1].shape)).sum())
+            out = args[0].new_empty((count,))
+        else:
+            out = func(*args, **kwargs)
         if clock is not None:
             clock.account(func, args, kwargs, out)
         if func is _LAYER_NORM and out[1].dtype in _REDUCED:
@@ -179,12 +208,24 @@ class CostClock:
         self.scratch_ops = 0
         self._known: dict = {}
         self.host_s = 0.0
+        self.host_scale = 1.0
+        """Host seconds of the target machine per host second measured here (1: as fast)."""
         self.device_s = 0.0
         self.ops: Optional[dict] = {} if keep_ops else None
         self.by_source: dict[str, list] = {}  # source -> [ops, device seconds]
 
     def mark(self) -> float:
         return max(self.host_s, self.device_s)
+
+    def host_work(self, gap_s: float) -> None:
+        """The program's own host work between two ops, measured on this CPU outside the dispatch (so
+        not fake execution's overhead): the part of a gap beyond `HOST_GAP_ALLOWANCE_S`, scaled by
+        `host_scale`. Shorter gaps are per-op Python overhead, which the launch figure already covers
+        (measured here, that overhead includes the CPU runtime's own function mode); longer ones are
+        work a GPU host does too while the device may idle (an MoE routing model's numpy, a
+        dispatcher's bookkeeping between its device-to-host syncs)."""
+        if gap_s > HOST_GAP_ALLOWANCE_S:
+            self.host_s += (gap_s - HOST_GAP_ALLOWANCE_S) * self.host_scale
 
     def sync(self, *args: Any, **kwargs: Any) -> None:
         self.host_s = max(self.host_s, self.device_s)
@@ -333,8 +374,10 @@ class FakeExecution:
             self._patches.patch(clip_grads, "l2_norm_impl", _stacked_l2_norm)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.mode.__enter__()
-        if self.clock is not None:
+        if self.clock is not None:  # the host waits for the device
             self._patches.patch(torch.cuda, "synchronize", self.clock.sync)
+            for owner in (torch.cuda.Stream, torch.cuda.Event):
+                self._patches.patch(owner, "synchronize", lambda *a, **k: self.clock.sync())
         self._fake_mode = _FakeMode(self.scalars, self.clock)
         self._fake_mode.__enter__()
         return self
