@@ -144,18 +144,22 @@ class _FakeMode(TorchDispatchMode):
         self.model = model
         self.clock = clock
         self._left = None  # perf_counter when the last op's dispatch returned
+        self._left_excluded = 0.0  # the clock's excluded seconds then
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         entered = time.perf_counter()
+        clock = self.clock
+        excluded = clock.excluded_s() if clock is not None and clock.excluded_s is not None else 0.0
+        if clock is not None and self._left is not None:
+            clock.host_work(entered - self._left - (excluded - self._left_excluded))
         try:
-            return self._dispatch(func, args, kwargs or {}, entered)
+            return self._dispatch(func, args, kwargs or {})
         finally:
             self._left = time.perf_counter()
+            self._left_excluded = excluded
 
-    def _dispatch(self, func, args, kwargs, entered):
+    def _dispatch(self, func, args, kwargs):
         clock = self.clock
-        if clock is not None and self._left is not None:
-            clock.host_work(entered - self._left)
         if func is _ITEM and is_fake(args[0]):
             if clock is not None:
                 clock.sync()  # the host waits for the device to read a value
@@ -210,6 +214,9 @@ class CostClock:
         self.host_s = 0.0
         self.host_scale = 1.0
         """Host seconds of the target machine per host second measured here (1: as fast)."""
+        self.excluded_s: Optional[Callable[[], float]] = None
+        """Cumulative host seconds that are this tool's, not the program's (the prism backend answering
+        ghosts): subtracted from the gaps between ops."""
         self.device_s = 0.0
         self.ops: Optional[dict] = {} if keep_ops else None
         self.by_source: dict[str, list] = {}  # source -> [ops, device seconds]
