@@ -202,7 +202,8 @@ def test_gemm_grid_predicts_the_measured_model_gemms():
 
 def test_bad_execution_settings_are_one_line_and_exit_2(tmp_path):
     for override, message in [("emulation.execution=maybe", "emulation.execution='maybe' is unknown"),
-                              ("emulation.target_gpu=v100", "unknown target GPU 'v100'")]:
+                              ("emulation.target_gpu=v100", "unknown target GPU 'v100'"),
+                              ("train.framework=deepspeed", "runs megatron-core only")]:
         proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "train",
                                "emulation.virtual_world_size=8", "emulation.sandbox_ranks=[0]",
                                "parallel.tp=2", "parallel.pp=2", "emulation.execution=fake", override],

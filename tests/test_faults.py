@@ -190,7 +190,7 @@ def test_a_real_straggler_is_matched_by_the_emulation_with_the_same_fault(tmp_pa
     config.write_text(to_yaml(load_config([*shape, f"faults.inject={fault}"])))
     calibration = Calibration.from_json(
         (REPO / "benchmarks" / "results" / "calibration-cpu4-vm-2026-11-30.json").read_text())
-    real, emulated, clean = [math.inf] * n, [math.inf] * n, math.inf
+    real, emulated, effect = [math.inf] * n, [math.inf] * n, 0.0
     for rep in range(2):  # interference on a shared VM only adds time: the less disturbed of two
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                                "--master-port", str(free_port()), str(REPO / "examples" / "pretrain_gpt.py"),
@@ -208,10 +208,12 @@ def test_a_real_straggler_is_matched_by_the_emulation_with_the_same_fault(tmp_pa
                         device="cpu", faults=fault).run()
         assert run["faults"] == fault and len(run["rank_iteration_time_s"]) == n
         emulated = [min(a, b) for a, b in zip(emulated, run["rank_iteration_time_s"])]
-        if rep == 0:
-            clean = Emulation(graph, str(tmp_path / "emu-clean"), ["0"], load_cluster("cpu_host"),
-                              calibration, device="cpu").run()["iteration_time_s"]
-    assert max(emulated) > 1.25 * clean  # the fault's doing
+        # the fault's doing, against the clean emulation of the same capture (captured compute on
+        # this VM varies by up to 30 % between captures)
+        clean = Emulation(graph, str(tmp_path / f"emu-clean{rep}"), ["0"], load_cluster("cpu_host"),
+                          calibration, device="cpu").run()["iteration_time_s"]
+        effect = max(effect, max(run["rank_iteration_time_s"]) / clean)
+    assert effect > 1.25
     for rank in range(n):
         assert emulated[rank] == pytest.approx(real[rank], rel=0.10), (rank, emulated, real)
 

@@ -54,8 +54,13 @@ def resolve_execution(cfg: PrismConfig, device: str) -> str:
     if execution == "fake" and device != "cpu":
         raise ConfigError("emulation.execution=fake runs on the CPU runtime; set train.device=cpu (the GPU "
                           "it predicts is emulation.target_gpu)")
+    if execution == "fake" and cfg.train.framework != "megatron":
+        raise ConfigError(f"emulation.execution=fake runs megatron-core only, not train.framework="
+                          f"{cfg.train.framework}; use emulation.execution=real for it")
     if execution != "auto":
         return execution
+    if cfg.train.framework != "megatron":
+        return "real"
     if cfg.emulation.virtual_world_size is None or device != "cpu":
         return "real"
     per_param = 16 if cfg.model.params_dtype == "fp32" else 18
