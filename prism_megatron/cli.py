@@ -302,28 +302,13 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _memory_by_stage(graph, capacity_bytes: int) -> dict:
-    """Each pipeline stage's largest peak (allocated, reserved) over its roles, and the verdict."""
-    stages: dict = {}
-    for role, g in graph.roles.items():
-        row = stages.setdefault(role.pp, {"pp": role.pp, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
-                                          "source": g.memory_source})
-        row["peak_allocated_bytes"] = max(row["peak_allocated_bytes"], int(g.peak_bytes))
-        row["peak_reserved_bytes"] = max(row["peak_reserved_bytes"], int(g.peak_reserved_bytes))
-    rows = [stages[k] for k in sorted(stages)]
-    worst = max(rows, key=lambda r: r["peak_reserved_bytes"])
-    return {"stages": rows, "max_reserved_bytes": worst["peak_reserved_bytes"],
-            "max_allocated_bytes": max(r["peak_allocated_bytes"] for r in rows), "max_stage": worst["pp"],
-            "capacity_bytes": int(capacity_bytes), "oom": worst["peak_reserved_bytes"] > capacity_bytes}
-
-
 def _cmd_simulate(args) -> int:
     from prism_megatron.emulate.cli import load_calibration
     from prism_megatron.graph import load_graph
     from prism_megatron.graph.perfetto import write_chrome_trace
     from prism_megatron.sim.cluster import load_cluster
     from prism_megatron.sim.des import Simulator
-    from prism_megatron.sim.report import job_figures, parse_overrides
+    from prism_megatron.sim.report import job_figures, memory_by_stage, parse_overrides
     from prism_megatron.sim.reschedule import RescheduleError, with_microbatches
 
     what_if = parse_overrides(args.overrides)
@@ -361,7 +346,7 @@ def _cmd_simulate(args) -> int:
               "1F1B unit repeated or removed)")
     print(f"iteration time {result.iteration_s * 1e3:.3f} ms | {figures['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {figures['mfu'] * 100:.2f}%")
-    summary["memory"] = _memory_by_stage(graph, cluster.gpu_memory_bytes)
+    summary["memory"] = memory_by_stage(graph, cluster.gpu_memory_bytes)
     for row in summary["memory"]["stages"]:
         print(f"  stage {row['pp']:>3}: peak allocated {row['peak_allocated_bytes'] / 2**30:8.2f} GiB, "
               f"reserved {row['peak_reserved_bytes'] / 2**30:8.2f} GiB ({row['source']})")

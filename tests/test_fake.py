@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_capture import _program  # what a rank does, strings resolved, timings left out
 
 from prism_megatron.graph import load_graph
 from prism_megatron.kernels.model import GPU_SPECS, KernelCostModel
@@ -56,17 +57,6 @@ def captures(tmp_path_factory):
         summary = json.loads((tmp / f"{execution}.json").read_text())
         graphs[execution] = load_graph(summary["graph_path"])
     return graphs
-
-
-def _program(graph, g) -> dict:
-    cols = g.columns
-    text = {name: [graph.string(int(i)) for i in cols[name]] for name in ("name", "stream", "op", "dim",
-                                                                         "dtype")}
-    nodes = list(zip(cols["kind"].tolist(), *text.values(), cols["nbytes"].tolist(), cols["seq"].tolist(),
-                     cols["peer_delta"].tolist()))
-    spans = list(zip([graph.string(int(i)) for i in g.spans["name"]], g.spans["microbatch"].tolist(),
-                     g.spans["first"].tolist(), g.spans["last"].tolist()))
-    return {"nodes": nodes, "deps": (g.dep_ptr.tolist(), g.dep_idx.tolist()), "spans": spans}
 
 
 @pytest.mark.parametrize("rank", [0, 3, 5, 6])

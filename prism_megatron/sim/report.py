@@ -110,3 +110,18 @@ def parse_overrides(overrides: list[str]) -> SimOverrides:
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"unknown simulate override {key!r}{hint} (keys: {', '.join(SIM_KEYS)})")
     return out
+
+
+def memory_by_stage(graph, capacity_bytes: int) -> dict:
+    """Each pipeline stage's largest peak (allocated, reserved) over its roles, and the verdict."""
+    stages: dict = {}
+    for role, g in graph.roles.items():
+        row = stages.setdefault(role.pp, {"pp": role.pp, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
+                                          "source": g.memory_source})
+        row["peak_allocated_bytes"] = max(row["peak_allocated_bytes"], int(g.peak_bytes))
+        row["peak_reserved_bytes"] = max(row["peak_reserved_bytes"], int(g.peak_reserved_bytes))
+    rows = [stages[k] for k in sorted(stages)]
+    worst = max(rows, key=lambda r: r["peak_reserved_bytes"])
+    return {"stages": rows, "max_reserved_bytes": worst["peak_reserved_bytes"],
+            "max_allocated_bytes": max(r["peak_allocated_bytes"] for r in rows), "max_stage": worst["pp"],
+            "capacity_bytes": int(capacity_bytes), "oom": worst["peak_reserved_bytes"] > capacity_bytes}
