@@ -102,8 +102,8 @@ class Emulation:
                                       for r in ranks}, out / "pace_plan.json")
         measured = self._run_sandbox(job, ranks, out / "sandbox")
         merged, rank_graphs = _with_sandbox(graph, measured)
-        result = self._simulator(merged, cost, ranks, rank_graphs=rank_graphs).run(
-            tuple(sorted({*(self.trace_ranks or ranks), *ranks})))
+        sim = self._simulator(merged, cost, ranks, rank_graphs=rank_graphs)
+        result = sim.run(tuple(sorted({*(self.trace_ranks or ranks), *ranks})))
         world = graph.world
         figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
                               self.cluster)
@@ -123,8 +123,8 @@ class Emulation:
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
                          "memory_source": measured[r].memory_source, **overhead[r]} for r in ranks],
             "wall_s": round(time.perf_counter() - start, 2), "graph_path": str(self.graph_path)}
-        if world.world_size <= RANK_TIMES_UP_TO:
-            summary["rank_iteration_time_s"] = [float(t) for t in class_times]
+        if world.world_size <= RANK_TIMES_UP_TO:  # as each rank's own log shows them: back to back
+            summary["rank_iteration_time_s"] = [float(t) for t in sim.rank_periods(result)]
         if self.clock == "realtime":
             summary["clock"] = "realtime"
             self._realtime(text, ranks, out, result, rank_graphs, summary)

@@ -3,7 +3,9 @@
 The log (JSON) holds, per rank, measured series of seconds per iteration:
 `{"ranks": {"<rank>": {"iteration_s": [...], "compute_s": [...]}, ...}}`; either series may be left
 out, ranks not in the log are not compared. `compute_s` is the rank's busy time (what profilers and
-the recorder give: the iteration less its waits); `iteration_s` each rank's own iteration time.
+the recorder give: the iteration less its waits); `iteration_s` each rank's own iteration time, from
+one of its iteration ends to the next, which the replay's steady-state periods give
+(`Simulator.rank_periods`).
 
 The model is one straggler: `slow(r, f)`. For every candidate rank r (the logged ranks, or all ranks
 of the world when the log names `"candidates": "all"`), the factor f in [1, `max_factor`] minimizing
@@ -59,8 +61,9 @@ def load_log(data: dict, world_size: int) -> dict[int, dict[str, float]]:
 def predicted(graph: Any, cost: Any, rank: int | None, factor: float) -> tuple[dict, np.ndarray]:
     """Per-rank iteration and compute seconds of the replay with `rank` slowed by `factor`."""
     slowdown = {rank: factor} if rank is not None and factor != 1.0 else {}
-    result = Simulator(graph, cost, slowdown=slowdown).run()
-    iteration = result.rank_times()
+    sim = Simulator(graph, cost, slowdown=slowdown)
+    result = sim.run()
+    iteration = sim.rank_periods(result)
     compute = np.asarray([c.compute_s for c in result.classes])[result.class_of_rank]
     return {"iteration_s": iteration, "compute_s": compute}, result.class_of_rank
 

@@ -1,18 +1,26 @@
 """Faults injected into a real process: its compute slowed for real (a plain run's rank or a sandbox).
 
 A compute fault (`slow`, `throttle`, `periodic`) that names this process's virtual rank makes each
-forward and backward step of a microbatch last `factor` times as long: after the step, the process
-sleeps (factor - 1) times the step's duration. The step's duration is host time, which on CPU is the
-compute (a step of a data-parallel job without overlapped communication has no other work in it); the
-sleep is inside the step, so a recorder counts it as the step's compute and the memory tracker sees no
-change. Time-varying factors are read at the step's start, with the job's time counted from the first
-step. Link faults and host stalls act in the replay only.
+forward and backward step of a microbatch, and each optimizer step, last `factor` times as long: after
+the step, the process sleeps (factor - 1) times the step's duration, so the whole loop of a slow GPU
+is slowed, as the replay slows every compute node of the rank. The step's duration is host time,
+which on CPU is the compute; the sleep is inside the step, so a recorder counts it as the step's
+compute and the memory tracker sees no change. Time-varying factors are read at the step's start,
+with the job's time counted from the first step. Link faults and host stalls act in the replay only.
+
+Known limitations: communication inside a stretched step is stretched with it. A data-parallel job
+without overlapped communication has none in its forward and backward steps, and its optimizer step's
+one collective is the gradient norm's all-reduce over the model-parallel group (one rank in pure DP);
+tensor-parallel all-reduces, a distributed optimizer's all-gather and any wait for a peer inside a
+step are slowed too. Work outside these steps (zeroing the gradient buffers, the schedule's glue)
+is not slowed: a few percent of a CPU iteration. On a GPU the host time is not the compute.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from prism_megatron.config.schema import ConfigError
 from prism_megatron.faults.spec import FaultError, FaultSet, parse_faults
@@ -38,6 +46,20 @@ class ComputeFaults:
                 raise ConfigError(f"faults.inject: {err}") from None
             self._origin = now
         return self._set.at(0, now - self._origin).compute.get(self._rank(), 1.0)
+
+    def stretch_step(self, optimizer: Any) -> None:
+        """Slow `optimizer.step` (megatron's, made by get_megatron_optimizer) like a schedule step."""
+        step = optimizer.step
+
+        @functools.wraps(step)
+        def slowed_step(*args, **kwargs):
+            factor = self.factor()
+            start = time.perf_counter()
+            result = step(*args, **kwargs)
+            self.after_step(time.perf_counter() - start, factor)
+            return result
+
+        optimizer.step = slowed_step
 
     def after_step(self, seconds: float, factor: float) -> None:
         if factor > 1.0 and seconds > 0:

@@ -94,6 +94,8 @@ class Installation:
     """`real` or `fake` (emulation.execution resolved; see runtime/fake.py)."""
     fake: Optional[Any] = None
     """The FakeExecution (its CostClock and the allocator model) when execution is fake."""
+    faults: Optional[Any] = None
+    """The ComputeFaults (faults/inject.py) when faults.inject slows this process's compute."""
     ds_routing: Optional[Any] = None
     """DeepSpeed-MoE's steered gates (moe/deepspeed_routing.py), made with the first engine that has
     MoE layers when moe.imbalance routes the tokens."""
@@ -205,7 +207,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     activate_local_specs(inst._patches)
     if cfg.trace.path:
         _install_recorder(inst, recorder)
-    ScheduleHooks(inst.tracker, inst.recorder, _compute_faults(cfg)).install(inst._patches)
+    inst.faults = _compute_faults(cfg)
+    ScheduleHooks(inst.tracker, inst.recorder, inst.faults).install(inst._patches)
     _install_model_hooks(inst)
     install_deepspeed(inst, lambda: inst.session)
     if not inst.virtual:
@@ -394,6 +397,8 @@ def _install_model_hooks(inst: Installation) -> None:
         inst.optimizers.append(optimizer)
         if inst.tracker is not None:
             inst.tracker.register_optimizer(optimizer)
+        if inst.faults is not None:
+            inst.faults.stretch_step(optimizer)
         return optimizer
 
     inst.patch(moptimizer, "get_megatron_optimizer", get_megatron_optimizer)

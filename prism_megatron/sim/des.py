@@ -15,11 +15,13 @@ nodes (it means the captured roles do not match up).
 
 Outputs per class: iteration time (the last node's end), compute busy time, exposed communication
 (time a collective runs while no compute does), pipeline bubble (time with neither), and the
-critical path of the job (the chain of nodes that determined the end, across classes).
+critical path of the job (the chain of nodes that determined the end, across classes). Per rank,
+`rank_periods` gives the steady-state iteration time of a job running iterations back to back.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from prism_megatron.sim.sharing import TOLERANCE_S, extra_times
 
 _UNMATCHED = frozenset({"other"})
 MAX_SHARING_PASSES = 8
+STEADY_PASSES = 4  # replays after the first for steady-state periods (a DP straggler needs 2)
 
 
 class SimulationError(RuntimeError):
@@ -106,6 +109,7 @@ class SimResult:
     """Operations slowed by a concurrent transfer on one of their ranks' links."""
 
     def rank_times(self) -> np.ndarray:
+        """Per rank, one iteration from the common start (or its own `start_s`) to its last node."""
         times = np.asarray([c.iteration_s for c in self.classes])
         return times[self.class_of_rank]
 
@@ -136,6 +140,33 @@ class Simulator:
                              f"{self.world.world_size}")
         self.per_rank = per_rank
         self.share_bandwidth = share_bandwidth
+
+    def rank_periods(self, first: SimResult, max_passes: int = STEADY_PASSES) -> np.ndarray:
+        """Per rank, the steady-state iteration time: from one of its iteration ends to the next,
+        the figure a per-rank log of a job running iterations back to back shows.
+
+        `first` is this simulator's replay of one iteration from a common start. `rank_times` counts
+        each rank from that start, so in a job with a straggler the ranks that finish early look
+        faster and the straggler slower than they are: each next iteration starts where the rank's
+        last one ended, and everyone then waits for the straggler again (a DP straggler's whole loop
+        is every rank's period). Each further replay starts every rank at its previous end (plus its
+        injected stall, which a rank's own log includes), until the periods stop changing."""
+        n = self.world.world_size
+        stall = np.zeros(n)
+        for rank, seconds in self.start_s.items():
+            stall[rank] = seconds
+        finish = stall + first.rank_times()
+        periods = None
+        for _ in range(max_passes):
+            start = finish + stall
+            again = copy.copy(self)
+            again.start_s = {r: float(start[r]) for r in range(n)}
+            new_finish = start + again.run().rank_times()
+            new = new_finish - finish
+            if periods is not None and float(np.max(np.abs(new - periods))) <= TOLERANCE_S:
+                return new
+            periods, finish = new, new_finish
+        return periods
 
     # -- classes -------------------------------------------------------------------------------
 
