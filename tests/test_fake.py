@@ -122,6 +122,58 @@ def test_scalars_object_collectives_and_cuda_semantics_under_fake_execution():
     assert not is_fake(torch.ones(1))
 
 
+def test_torch_optimizers_take_the_gpus_multi_tensor_step_on_fake_tensors():
+    """As on CUDA tensors, Adam runs `_foreach_` ops (one kernel over all parameters, their
+    temporaries live together) on fake ones, not its per-parameter loop; plain CPU tensors keep the
+    loop, as torch gives them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from prism_megatron.hooks.fake import _optimizers_as_on_the_gpu
+    from prism_megatron.runtime.patching import PatchSet
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Inst:
+        def __init__(self):
+            self.patches = PatchSet()
+
+        def patch(self, owner, name, value):
+            self.patches.patch(owner, name, value)
+
+    def step_ops(make):
+        params = [torch.nn.Parameter(make(8, 4)), torch.nn.Parameter(make(4))]
+        for p in params:
+            p.grad = make(*p.shape)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        with Ops() as ops:
+            optimizer.step()
+        return ops.names
+
+    import torch.optim.adam as adam
+    from torch.optim import optimizer as base
+
+    original = base._default_to_fused_or_foreach
+    inst = Inst()
+    _optimizers_as_on_the_gpu(inst)
+    assert adam._default_to_fused_or_foreach is not original
+    try:
+        assert any("_foreach_" in n for n in step_ops(torch.randn)) is False  # real CPU tensors: the loop
+        with FakeExecution():
+            fake = step_ops(torch.randn)
+        assert any("_foreach_mul_" in n for n in fake) and any("_foreach_addcdiv_" in n for n in fake)
+        assert not any(n.startswith("aten.addcdiv_") for n in fake)
+    finally:
+        inst.patches.restore()
+    assert adam._default_to_fused_or_foreach is original and base._default_to_fused_or_foreach is original
+
+
 def test_cost_clock_models_host_launches_and_device_time():
     model = KernelCostModel.for_gpu("h200")
     clock = CostClock(model)
@@ -162,6 +214,23 @@ def test_roofline_gpus_and_the_shipped_calibration():
     assert a100.predict(add)[0] / h100.predict(add)[0] == pytest.approx(3.35 / 2.039)
     with pytest.raises(ValueError, match="unknown target GPU"):
         KernelCostModel.for_gpu("v100")
+
+
+def test_an_exact_elementwise_time_holds_for_other_scalar_values():
+    """Adam's step sizes change every step; the kernel measured with one step's values times the next."""
+    from prism_megatron.kernels.signature import key_of
+
+    with FakeExecution():
+        xs = [torch.randn(4096, 1024) for _ in range(3)]
+        ys = [torch.randn(4096, 1024) for _ in range(3)]
+        scaled = [OpCall(torch.ops.aten._foreach_addcdiv_.ScalarList, (xs, ys, ys, [step] * 3), {}, None)
+                  for step in (-1e-3, -5.26e-4)]
+        a = torch.randn(512, 512, dtype=torch.bfloat16)
+        gemms = [OpCall(torch.ops.aten.addmm.default, (a, a, a), {"beta": beta}, a) for beta in (0.0, 1.0)]
+    model = KernelCostModel(GPU_SPECS["h200"], exact={key_of(scaled[0].sig): 1.25e-3, key_of(gemms[0].sig): 7e-6})
+    assert model.predict(scaled[0]) == model.predict(scaled[1]) == (1.25e-3, "exact")
+    assert model.predict(gemms[0]) == (7e-6, "exact")
+    assert model.predict(gemms[1])[1] != "exact"  # a GEMM's beta decides whether it reads C: not reused
 
 
 def test_gemm_grid_predicts_the_measured_model_gemms():

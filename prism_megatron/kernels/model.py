@@ -28,7 +28,14 @@ from typing import Optional
 
 import numpy as np
 
-from prism_megatron.kernels.signature import OpCall, gemm_dims, key_of, spec_tensors, tensor_bytes
+from prism_megatron.kernels.signature import (
+    GEMM_OPS,
+    OpCall,
+    gemm_dims,
+    key_of,
+    spec_tensors,
+    tensor_bytes,
+)
 
 __all__ = ["GpuSpec", "GPU_SPECS", "KernelCostModel", "shipped_calibration"]
 
@@ -74,6 +81,20 @@ _FAMILY_OF_OP = {
     "aten.linalg_vector_norm.default": "reduction", "aten.max.default": "reduction",
     "aten.amax.default": "reduction", "aten._to_copy.default": "convert", "aten.copy_.default": "convert",
 }
+
+
+def _any_scalars_key(sig: dict) -> str:
+    """`key_of(sig)` with every float scalar argument set to 0.0 (tensor metadata and ints kept)."""
+    def zero(value):
+        if isinstance(value, float):
+            return 0.0
+        if isinstance(value, list):
+            return [zero(v) for v in value]
+        if isinstance(value, dict) and "T" not in value:
+            return {k: zero(v) for k, v in value.items()}
+        return value
+
+    return key_of({**sig, "args": zero(sig["args"]), "kwargs": zero(sig.get("kwargs", []))})
 
 
 def _scratch_events(measured) -> list:
@@ -165,10 +186,20 @@ class KernelCostModel:
     min_kernel_s: float = 0.0
     host_reference_s: float = 0.0
     """Seconds of `calibrate.host_reference_s()` on the GPU machine's host (0: unknown)."""
+    exact_any_scalars: dict = field(default_factory=dict)
+    """For memory-bound ops: the exact table keyed with every float scalar argument set to 0. An
+    elementwise kernel's time does not depend on the values it scales by, and some change every step
+    (Adam's bias-corrected step sizes, a `_foreach_addcdiv_` ScalarList), so a later step finds the
+    kernel measured with another step's values."""
 
     def __post_init__(self) -> None:
         self.host_launch_s = self.host_launch_s or self.spec.host_launch_s
         self.min_kernel_s = self.min_kernel_s or self.spec.min_kernel_s
+        if self.exact and not self.exact_any_scalars:
+            for key, seconds in self.exact.items():
+                sig = json.loads(key)
+                if sig["op"] not in GEMM_OPS:
+                    self.exact_any_scalars.setdefault(_any_scalars_key(sig), seconds)
 
     @classmethod
     def for_gpu(cls, target: str) -> "KernelCostModel":
@@ -242,6 +273,8 @@ class KernelCostModel:
             return 0.0, "free"
         if self.exact:
             seconds = self.exact.get(key_of(call.sig))
+            if seconds is None and call.kind != "gemm":
+                seconds = self.exact_any_scalars.get(_any_scalars_key(call.sig))
             if seconds is not None:
                 return seconds, "exact"
         if call.kind == "gemm":

@@ -20,9 +20,10 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["OpCall", "signature", "op_kind", "gemm_dims", "tensor_bytes", "spec_tensors"]
+__all__ = ["GEMM_OPS", "OpCall", "signature", "op_kind", "gemm_dims", "tensor_bytes", "spec_tensors"]
 
-_GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
+GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
+_GEMMS = GEMM_OPS
 _FREE = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default",
          "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
          "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
