@@ -23,7 +23,6 @@ import torch
 __all__ = ["GEMM_OPS", "OpCall", "signature", "op_kind", "gemm_dims", "tensor_bytes", "spec_tensors"]
 
 GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
-_GEMMS = GEMM_OPS
 _FREE = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default",
          "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
          "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",
@@ -47,7 +46,7 @@ def op_kind(func: Any) -> str:
         name = str(func)
         if name.startswith(("c10d.", "_c10d_functional.", "c10d_functional.")):
             kind = "comm"
-        elif name in _GEMMS:
+        elif name in GEMM_OPS:
             kind = "gemm"
         elif name in _FREE or name.startswith(("profiler.", "prim.")) or _is_view(func):
             kind = "free"
