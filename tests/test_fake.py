@@ -195,6 +195,45 @@ def test_cost_clock_models_host_launches_and_device_time():
     assert clock.by_source.get("exact", [0])[0] + clock.by_source.get("gemm-grid", [0])[0] >= 10
 
 
+def test_host_work_between_ops_is_the_threads_cpu_time():
+    """A gap between ops is charged to the modelled host by its CPU time, scaled by host_scale: a
+    sleep (the thread off the CPU, as while another process runs) costs nothing, busy work costs its
+    time; the prism backend's own CPU time (excluded_s) is not the program's."""
+    import time
+
+    from prism_megatron.runtime.fake import HOST_GAP_ALLOWANCE_S
+
+    def busy(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    clock = CostClock(KernelCostModel.for_gpu("h200"))
+    clock.host_scale = 2.0
+    excluded = [0.0]
+    clock.excluded_s = lambda: excluded[0]
+    with FakeExecution(clock=clock):
+        tiny = torch.ones(4)
+        tiny.add_(1)
+        before = clock.host_s
+        time.sleep(0.05)
+        tiny.add_(1)
+        slept = clock.host_s - before
+        before = clock.host_s
+        busy(0.03)
+        tiny.add_(1)
+        worked = clock.host_s - before
+        before = clock.host_s
+        busy(0.03)
+        excluded[0] += 0.03  # as if the backend spent it answering ghosts
+        tiny.add_(1)
+        backend = clock.host_s - before
+    launch = clock.model.host_launch_s
+    assert slept <= 2 * launch + 1e-3  # the sleep's 50 ms are not host work
+    assert worked == pytest.approx(2.0 * (0.03 - HOST_GAP_ALLOWANCE_S) + launch, rel=0.15)
+    assert backend <= 2 * launch + 1e-3
+
+
 def test_roofline_gpus_and_the_shipped_calibration():
     h200 = KernelCostModel.for_gpu("h200")
     assert h200.source.startswith("calibrated") and h200.exact and h200.grids and h200.families

@@ -49,6 +49,9 @@ class CommLog:
     host_s: float = 0.0
     """Host time spent inside the backend's operations (ghost folding, logging, and any real
     exchange between sandboxes), for the emulator's overhead figure."""
+    host_cpu_s: float = 0.0
+    """The same operations' CPU time on their threads (what fake execution subtracts from the
+    program's host work: unlike wall time, it does not grow while another process has the CPU)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _running: threading.local = field(default_factory=threading.local, repr=False)
 

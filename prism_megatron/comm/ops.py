@@ -36,7 +36,7 @@ def operation(method):
         log = self.session.log
         if log.depth:  # inside a coalesced operation: the outer one announces its Work for all
             return method(self, *args, **kwargs)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         log.depth += 1
         try:
             with torch.no_grad(), _suspended_dispatch_modes():
@@ -45,6 +45,7 @@ def operation(method):
             log.depth -= 1
         log.issued(work)
         log.host_s += time.perf_counter() - start
+        log.host_cpu_s += time.thread_time() - cpu_start
         return work
 
     return run

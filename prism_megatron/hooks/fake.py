@@ -104,7 +104,7 @@ def install_fake(inst: Any) -> None:
 
         clock.host_scale = model.host_reference_s / host_reference_s()
     # the prism backend's own host time (answering ghosts) is not the program's host work
-    clock.excluded_s = lambda: inst.session.log.host_s if inst.session is not None else 0.0
+    clock.excluded_s = lambda: inst.session.log.host_cpu_s if inst.session is not None else 0.0
     inst.fake = FakeExecution(clock=clock).activate()
     inst._exits.append(lambda: _finish(inst))
 
