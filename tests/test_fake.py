@@ -337,3 +337,30 @@ def test_moe_under_fake_execution_routes_by_the_model_like_the_real_run(tmp_path
                           timeout=300, cwd=REPO)
     assert proc.returncode == 2 and "needs a routing model" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_replayed_indexing_ops_get_valid_spread_indices():
+    """The kernel calibration replays an op from its signature alone; an indexing op's indices are
+    drawn uniformly over the indexed dim (zeros sent a whole MoE unpermute to one row, 144x slower
+    on the H200), expanded indices keep their shared values, and every replay runs."""
+    from prism_megatron.kernels.calibrate import _build, _valid_indices, replay_ops
+
+    t = lambda dt, shape, st: {"T": shape, "dt": dt, "st": st}  # noqa: E731
+    unpermute = {"op": "aten.scatter_add_.default", "kwargs": [],
+                 "args": [t("float32", [64, 8], [8, 1]), 0, t("int64", [128, 8], [1, 0]),
+                          t("float32", [128, 8], [8, 1])]}
+    args = _build(torch, unpermute["args"], "cpu")
+    _valid_indices(torch, unpermute["op"], args)
+    index = args[2]
+    assert 0 <= int(index.min()) and int(index.max()) < 64 and index[:, 0].unique().numel() > 16
+    assert (index == index[:, :1]).all()  # an expanded index: one value per row
+    listed = {"op": "aten.index.Tensor", "kwargs": [],
+              "args": [t("float32", [10, 5], [5, 1]), [t("int64", [30], [1]), None]]}
+    args = _build(torch, listed["args"], "cpu")
+    _valid_indices(torch, listed["op"], args)
+    assert int(args[1][0].max()) < 10 and int(args[1][0].max()) > 0
+    embedding_bwd = {"op": "aten.embedding_dense_backward.default", "kwargs": [],
+                     "args": [t("float32", [6, 4], [4, 1]), t("int64", [6], [1]), 50, -1, False]}
+    rows = replay_ops(torch, lambda fn: (fn(), 0.0)[1], [unpermute, listed, embedding_bwd],
+                      lambda s: None, device="cpu")
+    assert all("error" not in r for r in rows), rows

@@ -25,6 +25,27 @@ def test_counts_sum_exactly_fit_a_routing_map_and_repeat_for_every_rank(spec, ex
     np.testing.assert_array_equal(rmap.sum(axis=0), counts)
 
 
+def test_routing_map_is_exact_for_any_feasible_counts():
+    """Every feasible count vector (sum tokens * k, none above tokens) gives k distinct experts per
+    token and exactly those column sums, including experts that take every token or none."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        experts = int(rng.integers(1, 17))
+        topk = int(rng.integers(1, experts + 1))
+        tokens = int(rng.integers(1, 300))
+        counts = np.zeros(experts, dtype=np.int64)
+        for _ in range(tokens * topk):  # place assignments on experts with room left
+            room = np.flatnonzero(counts < tokens)
+            counts[rng.choice(room)] += 1
+        rmap = routing_map(counts, tokens, topk)
+        assert (rmap.sum(axis=1) == topk).all()
+        np.testing.assert_array_equal(rmap.sum(axis=0), counts)
+    edge = routing_map(np.array([5, 3, 0, 2]), tokens=5, topk=2)
+    assert edge[:, 0].all() and not edge[:, 2].any() and (edge.sum(axis=1) == 2).all()
+    with pytest.raises(ImbalanceError):
+        routing_map(np.array([6, 4]), tokens=5, topk=2)  # an expert cannot take a token twice
+
+
 def test_skews_have_their_shape():
     kw = dict(experts=8, tokens=4096, topk=2, layer=0)
     balanced = Imbalance.parse("force-balanced").counts(**kw)

@@ -193,7 +193,7 @@ def _finish(inst: Any) -> None:
 def fake_summary(inst: Any) -> dict:
     clock, allocator = inst.fake.clock, inst.runtime.tracker.allocator
     return {"mode": "fake", "target_gpu": inst.cfg.emulation.target_gpu, "kernel_model": clock.model.source,
-            "host_scale": clock.host_scale,
+            "host_scale": clock.host_scale, "gc_cpu_s_excluded": inst.fake.gc_cpu_s,
             "peak_allocated_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
             "device_s": clock.device_s,
             "ops_by_source": {k: {"ops": v[0], "device_s": v[1]} for k, v in clock.by_source.items()}}
