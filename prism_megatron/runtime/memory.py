@@ -52,6 +52,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from prism_megatron.runtime.storage_resize import unwatch_resizes, watch_resizes
+
 __all__ = ["MemCategory", "StorageTracker"]
 
 
@@ -149,39 +151,6 @@ class _OutputObserver(TorchDispatchMode):
         return out
 
 
-# UntypedStorage.resize_ never reaches the dispatcher; while any tracker is active it is wrapped so
-# that trackers see resizes of the storages they know. Guarded by _WATCH_LOCK.
-_WATCH_LOCK = threading.Lock()
-_RESIZE_WATCHERS: list[StorageTracker] = []
-_SAVED_RESIZE: list[Any] = [None]  # UntypedStorage's own resize_ before ours (None: inherited)
-
-
-def _resize_and_report(storage: torch.UntypedStorage, size: int) -> Any:
-    # Call the C implementation itself, not a saved attribute, so wrappers can never recurse.
-    result = torch._C.StorageBase.resize_(storage, size)
-    for tracker in tuple(_RESIZE_WATCHERS):
-        tracker._on_storage_resized(storage)
-    return result
-
-
-def _watch_resizes(tracker: StorageTracker) -> None:
-    with _WATCH_LOCK:
-        if not _RESIZE_WATCHERS:
-            _SAVED_RESIZE[0] = torch.UntypedStorage.__dict__.get("resize_")
-            torch.UntypedStorage.resize_ = _resize_and_report  # type: ignore[method-assign]
-        _RESIZE_WATCHERS.append(tracker)
-
-
-def _unwatch_resizes(tracker: StorageTracker) -> None:
-    with _WATCH_LOCK:
-        _RESIZE_WATCHERS.remove(tracker)
-        # Undo only our own wrapper; if someone wrapped it after us, ours stays as a pass-through.
-        if not _RESIZE_WATCHERS and torch.UntypedStorage.__dict__.get("resize_") is _resize_and_report:
-            del torch.UntypedStorage.resize_
-            if _SAVED_RESIZE[0] is not None:
-                torch.UntypedStorage.resize_ = _SAVED_RESIZE[0]  # type: ignore[method-assign]
-
-
 def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside ``optimizer``: itself, ``.optimizer`` or ``.chained_optimizers``."""
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -236,7 +205,7 @@ class StorageTracker:
             raise RuntimeError("StorageTracker.start(): already active; call stop() before starting again")
         self._observer.__enter__()
         self._active = True
-        _watch_resizes(self)
+        watch_resizes(self._on_storage_resized)
         for ref in self._models:
             if (module := ref()) is not None:
                 self._hook_model(module)
@@ -256,7 +225,7 @@ class StorageTracker:
             )
         self._observer.__exit__(None, None, None)
         self._active = False
-        _unwatch_resizes(self)
+        unwatch_resizes(self._on_storage_resized)
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
