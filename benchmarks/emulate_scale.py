@@ -8,7 +8,8 @@ the emulator's own overhead per iteration (host time in the backend's operations
 sandbox's compute (issue [D]'s goal: <= 5%), the backend's time per operation, and the replay's time
 (the oracle runs once per emulation in virtual-clock mode).
 
-    python benchmarks/emulate_scale.py [key=value ...] [--graph G] [--sandbox first-stage 4711] [--json PATH]
+    python benchmarks/emulate_scale.py [key=value ...] [--graph G] [--sandbox first-stage 4711] [--device cuda]
+                                       [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ def main() -> int:
     parser.add_argument("--graph", default=None, help="a captured graph (default: capture the config)")
     parser.add_argument("--sandbox", nargs="+", default=["first-stage", "4711", "last-stage"])
     parser.add_argument("--cluster", default="dgx_h100")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the capture's slices and the sandboxes run (cuda: one GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         graph = args.graph
         if graph is None:
-            cfg = load_config(["emulation.sandbox_ranks=[]", "train.device=cpu", *args.overrides],
+            cfg = load_config(["emulation.sandbox_ranks=[]", f"train.device={args.device}", *args.overrides],
                               args.config)
             graph = Capture(cfg, os.path.join(tmp, "capture"), log=lambda s: None).run().graph_path
         print(f"{'sandbox':>12}{'rank':>6}{'N':>6}{'fraction':>11}{'peer ghosts':>13}{'classes':>9}"
@@ -63,7 +66,8 @@ def main() -> int:
                   f"{s['replay_s'] * 1e3:>11.2f}{s['overhead_ratio'] * 100:>9.2f}%", flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"date": str(date.today()), "machine": platform.node(),
-                                                 "cpus": os.cpu_count(), "graph": args.graph or "captured",
+                                                 "cpus": os.cpu_count(), "device": args.device,
+                                                 "graph": args.graph or "captured",
                                                  "cluster": args.cluster, "rows": rows}, indent=1))
     return 0
 

@@ -205,6 +205,26 @@ def test_moe_tokens_are_kept_per_layer_and_microbatch():
     assert g.moe_tokens[g.moe_ptr[1]:g.moe_ptr[2]].tolist() == [5, 0, 12]
 
 
+def _moe_stage(first_layer: int, counts=(5, 0, 11)):
+    rec = Recorder(FakeClock(), lambda: 0)
+    rec.begin_iteration()
+    rec.span_begin("forward", 0, 0)
+    for layer in (first_layer, first_layer + 1):  # megatron's layer numbers: global, 1-based
+        rec.moe_tokens(layer, list(counts))
+    rec.span_end()
+    return _built(rec)
+
+
+def test_stages_that_route_alike_hash_alike_and_an_inferred_stage_gets_its_own_layers():
+    (g1, _, s1), (g5, _, s5) = _moe_stage(3), _moe_stage(11)  # stages 1 and 5 of two layers each
+    assert structure_hash(g1, s1.strings) == structure_hash(g5, s5.strings)
+    other, _, s_other = _moe_stage(11, counts=(5, 1, 10))
+    assert structure_hash(g1, s1.strings) != structure_hash(other, s_other.strings)
+    stage5 = g1.as_role(Role(pp=5, tp=0, cp=0, ep=0, etp=0), 5, "inferred:stage1", layer_shift=(5 - 1) * 2)
+    assert stage5.moe["layer"].tolist() == [11, 12] and g1.moe["layer"].tolist() == [3, 4]
+    assert stage5.moe_tokens is g1.moe_tokens  # counts shared, only the layer numbers differ
+
+
 def test_no_iteration_is_an_error_that_says_why():
     rec = Recorder(FakeClock(), lambda: 0)
     with pytest.raises(RecorderError, match="forward_backward_func"):

@@ -303,8 +303,9 @@ class Capture:
                 if role in remapped:
                     roles[role] = remapped[role]
                 elif verdicts[c.key]:
+                    shift = (role.pp - c.probes[0].pp) * (self.cfg.model.num_layers // self.world.pp)
                     roles[role] = source.as_role(role, self.world.representative(role),
-                                                 f"inferred:{c.probes[0]}")
+                                                 f"inferred:{c.probes[0]}", layer_shift=shift)
                     inferred.append(str(role))
         from prism_megatron.hooks.fake import resolve_execution
 

@@ -21,7 +21,8 @@ buffer; under `zeros`/`random` both are filled. Known limits: `recv` from any so
 
 from __future__ import annotations
 
-import threading
+import functools
+import itertools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -39,17 +40,73 @@ from prism_megatron.comm.ops import (
     nbytes_of,
     operation,
     reduce_op_of,
+    row_sizes,
     split_rows,
 )
 from prism_megatron.comm.session import VirtualSession
 
 BACKEND_NAME = "prism"
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive values in sorted `indices`: (position of the run's first, first,
+    one past the last)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, g in enumerate(indices):
+        if runs and runs[-1][2] == g:
+            runs[-1] = (runs[-1][0], runs[-1][1], g + 1)
+        else:
+            runs.append((i, g, g + 1))
+    return runs
+
+
+def _host_copy(t: torch.Tensor):
+    """A copy of `t` outside the device allocator, for the p2p mirror: on GPU a pinned host tensor
+    filled asynchronously on the current stream (a blocking copy would stall the host until the
+    device drained, where a real send does not wait; the recv's copy back is stream-ordered after
+    it), on CPU the bytes as numpy (outside torch's allocator, so the tracked memory stays a real
+    rank's)."""
+    if t.device.type == "cpu":
+        return host_bytes(t)
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t.detach(), non_blocking=True)
+    return pinned
+
+
+class RowPieces:
+    """The n dim-0 pieces of `buffer` with `rows[g]` rows each, cut only when one is asked for
+    (torch.split makes all n views at once: 75 us for 64 of them on the 2-core VM)."""
+
+    def __init__(self, buffer: torch.Tensor, rows: list[int]) -> None:
+        self.buffer, self.rows = buffer, rows
+        self.starts = [0, *itertools.accumulate(rows)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, g: int) -> torch.Tensor:
+        return self.buffer.narrow(0, self.starts[g], self.rows[g]) if self.buffer.dim() else self.buffer
+
+
+def _even_pieces(output: torch.Tensor, n: int):
+    """(output, rows) when `output` is contiguous and splits into n equal dim-0 pieces, else None."""
+    if not output.is_contiguous() or not output.dim() or output.shape[0] % n:
+        return None
+    return output, [output.shape[0] // n] * n
+
+
 class PrismGroup(dist.ProcessGroup):
     """A group of the virtual world as seen by one sandbox rank."""
 
     def __init__(self, session: VirtualSession, members: Sequence[int], group_rank: int,
                  group_id: str, store: Optional[dist.Store]) -> None:
         super().__init__(group_rank, len(members))
+        self.me = group_rank  # rank() is a call into torch; the hot paths read this
         self.session = session
         self.members = tuple(members)
         self.group_id = group_id
@@ -60,9 +117,10 @@ class PrismGroup(dist.ProcessGroup):
         # Ghost j of the group mirrors real member j mod r (the local one when it is alone).
         self.mirror_source = {g: self.real[j % r] for j, g in enumerate(self.ghosts)}
         self.dim = session.dim_of(self.members)
-        self._seq = 0
-        self._lock = threading.Lock()
-        self._stash: dict[tuple, dict[int, np.ndarray]] = {}
+        self.ghost_ranks = [self.members[g] for g in self.ghosts]
+        self._ghost_runs = _runs(self.ghosts)
+        self._seq = itertools.count()  # next() is atomic under the GIL: calls from any thread
+        self._stash: dict[tuple, dict[int, object]] = {}  # (shape, dtype) -> peer -> host copy
         self.has_peers = r > 1
         self._store = store
         self._inners: dict[str, object] = {}
@@ -88,10 +146,8 @@ class PrismGroup(dist.ProcessGroup):
 
     def _begin(self, op: str, tensors: Sequence[torch.Tensor], *, peer: Optional[int] = None,
                reduce_op: Optional[ReduceOp] = None) -> int:
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
-        dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else "none"
+        seq = next(self._seq)
+        dtype = _dtype_name(tensors[0].dtype) if tensors else "none"
         self.session.log.record(CommEvent(
             op=op, dim=self.dim, group_id=self.group_id, nbytes=nbytes_of(tensors), dtype=dtype,
             seq=seq, members=self.members, ghosts=len(self.ghosts),
@@ -102,23 +158,60 @@ class PrismGroup(dist.ProcessGroup):
     def _gen(self, device: torch.device, seq: int, salt: int = 0):
         return lambda: self.session.policy.generator(device, self.group_id, seq, salt)
 
-    def _provided(self, slots: Sequence[torch.Tensor], op: str) -> set[int]:
-        """Ghost slots a provider (session.ghost_data) filled; none asked when there are none."""
+    def _provided(self, slots: Sequence[torch.Tensor], op: str, pieces=None) -> bool:
+        """Whether a provider (session.ghost_data) filled every ghost slot; each is asked once per
+        operation, for all the ghosts, and none when there are none. `pieces`: see `_fill_ghosts`."""
         providers = self.session.ghost_data
-        if not providers:
-            return set()
-        return {g for g in self.ghosts
-                if any(provide(op, self.members, self.members[g], slots[g]) for provide in providers)}
+        if not providers or not self.ghosts:
+            return False
+        like = slots[self.ghosts[0]]
+        for provide in providers:
+            values = provide(op, self.members, self.ghost_ranks, like)
+            if values is None:
+                continue
+            rows = torch.from_numpy(np.ascontiguousarray(values)).reshape(len(self.ghosts), -1)
+            for i, a, b in self._ghost_runs:
+                block = self._block(pieces, a, b)
+                if block is not None:
+                    block.copy_(rows[i:i + b - a])
+                else:
+                    for k in range(b - a):
+                        slots[a + k].copy_(rows[i + k].view(slots[a + k].shape))
+            return True
+        return False
+
+    def _block(self, pieces, a: int, b: int) -> Optional[torch.Tensor]:
+        """Slots a..b-1 as one [b - a, -1] view of the buffer when they are equal pieces of it."""
+        if pieces is None or b - a < 2:
+            return None
+        buffer, rows = pieces
+        if not rows[a] or rows[a:b].count(rows[a]) != b - a:
+            return None
+        return buffer.narrow(0, sum(rows[:a]), (b - a) * rows[a]).view(b - a, -1)
 
     def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int, op: str,
-                     skip: Optional[set[int]] = None) -> None:
+                     skip: Optional[bool] = None, pieces=None) -> None:
         """Fill each ghost's slot of `op`'s output with policy data (mirror copies its source),
-        except the slots a provider filled (`skip`; by default, asked here)."""
+        unless a provider filled them all (`skip`; by default, asked here). `pieces`: (buffer, rows)
+        when the slots are consecutive dim-0 pieces of the contiguous `buffer`, `rows[g]` rows each;
+        a run of ghosts whose pieces match then takes one copy, not one per ghost (an all-to-all
+        over 64 experts has 63 ghost slots)."""
+        if self._provided(slots, op, pieces) if skip is None else skip:
+            return
         policy = self.session.policy
-        skip = self._provided(slots, op) if skip is None else skip
+        me = self.me
+        if len(self.real) == 1 and policy.effective(slots[me].dtype) == "mirror":
+            local = slots[me]  # one real member: every ghost mirrors our slot
+            for _, a, b in self._ghost_runs:
+                block = self._block(pieces, a, b) if pieces and pieces[1][a] == pieces[1][me] else None
+                if block is not None:
+                    block.copy_(local.reshape(1, -1).expand(b - a, -1))
+                else:
+                    for g in range(a, b):
+                        policy.fill(slots[g], local, None)
+            return
         for g in self.ghosts:
-            if g not in skip:
-                policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
+            policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
 
     def _inner(self, like):
         """The real backend over this group's physical members for `like`'s device (a tensor or a
@@ -188,7 +281,7 @@ class PrismGroup(dist.ProcessGroup):
         if self.has_peers and root in self.real:
             self._inner(tensors[0]).reduce(tensors, inner_reduce_opts(
                 dist.ReduceOptions, op, rootRank=self._inner_index(root), rootTensor=opts.rootTensor)).wait()
-        if root == self.rank():
+        if root == self.me:
             for i, t in enumerate(tensors):
                 self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
                                                      gen_factory=self._gen(t.device, seq, i))
@@ -226,8 +319,8 @@ class PrismGroup(dist.ProcessGroup):
             real_inputs = [inputs[g] for g in self.real]
             self._inner(out).reduce_scatter([out], [real_inputs],
                                       inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
-        elif out.data_ptr() != inputs[self.rank()].data_ptr():
-            out.copy_(inputs[self.rank()])
+        elif out.data_ptr() != inputs[self.me].data_ptr():
+            out.copy_(inputs[self.me])
         self.session.policy.finish_reduction(out, op, n=self.n, r=len(self.real),
                                              gen_factory=self._gen(out.device, seq, salt))
 
@@ -238,11 +331,11 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("all_gather", [t for ts in output_tensors for t in ts])
         for outs, inp in zip(output_tensors, input_tensors):
             outs = list(outs)
-            in_place = outs[self.rank()].data_ptr() == inp.data_ptr()
+            in_place = outs[self.me].data_ptr() == inp.data_ptr()
             if self.has_peers:
                 self._inner(inp).allgather([[outs[g] for g in self.real]], [inp]).wait()
             elif not in_place:
-                outs[self.rank()].copy_(inp)
+                outs[self.me].copy_(inp)
             if not (in_place and self.session.policy.effective(inp.dtype) == "mirror"):
                 self._fill_ghosts(outs, seq, "all_gather")  # in place under mirror: ghosts keep their shards
         return done(output_tensors)
@@ -253,9 +346,10 @@ class PrismGroup(dist.ProcessGroup):
         if self.has_peers and not self.ghosts:
             self._inner(output)._allgather_base(output, input).wait()
             return done([output])
-        slots = list(output.chunk(self.n))
+        pieces = _even_pieces(output, self.n)
+        slots = RowPieces(*pieces) if pieces else list(output.chunk(self.n))
         mirror = self.session.policy.effective(output.dtype) == "mirror"
-        in_place = input.data_ptr() == slots[self.rank()].data_ptr()
+        in_place = input.data_ptr() == slots[self.me].data_ptr()
         if mirror and in_place:
             # In-place gather of sharded state (distributed optimizer / ZeRO parameters): each ghost
             # owns its shard and would have updated it as we did ours; we keep its last known value
@@ -266,7 +360,7 @@ class PrismGroup(dist.ProcessGroup):
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return done([output])
-        provided = self._provided(slots, "all_gather")
+        provided = self._provided(slots, "all_gather", pieces)
         if not self.has_peers and mirror and output.is_contiguous() and not provided:
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
@@ -274,8 +368,8 @@ class PrismGroup(dist.ProcessGroup):
         if self.has_peers:
             self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
         else:
-            slots[self.rank()].copy_(input)
-        self._fill_ghosts(slots, seq, "all_gather", skip=provided)
+            slots[self.me].copy_(input)
+        self._fill_ghosts(slots, seq, "all_gather", skip=provided, pieces=pieces)
         return done([output])
 
     @operation
@@ -297,7 +391,7 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("gather", list(input_tensors) * self.n)
         if root in self.ghosts:
             return done(output_tensors)  # the data goes to a ghost: nothing to do
-        outs = list(output_tensors[0]) if self.rank() == root else []
+        outs = list(output_tensors[0]) if self.me == root else []
         if self.has_peers:
             inner_opts = dist.GatherOptions()
             inner_opts.rootRank = self._inner_index(root)
@@ -342,7 +436,7 @@ class PrismGroup(dist.ProcessGroup):
             if self.has_peers:
                 inner_opts = dist.ScatterOptions()
                 inner_opts.rootRank = self._inner_index(root)
-                inputs = [[input_tensors[0][g] for g in self.real]] if self.rank() == root else []
+                inputs = [[input_tensors[0][g] for g in self.real]] if self.me == root else []
                 self._inner(out).scatter([out], inputs, inner_opts).wait()
             elif out.data_ptr() != input_tensors[0][root].data_ptr():
                 out.copy_(input_tensors[0][root])
@@ -359,10 +453,15 @@ class PrismGroup(dist.ProcessGroup):
             self._inner(output).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                      dist.AllToAllOptions()).wait()
             return done([output])
-        outs = split_rows(output, output_split_sizes, self.n)
-        ins = split_rows(input, input_split_sizes, self.n)
+        rows = row_sizes(output, output_split_sizes, self.n)
+        if self.has_peers:
+            outs = split_rows(output, rows)
+            ins = split_rows(input, row_sizes(input, input_split_sizes, self.n))
+        else:  # only our own piece moves: the ghosts' are cut only if they are filled one by one
+            outs = RowPieces(output, rows)
+            ins = RowPieces(input, row_sizes(input, input_split_sizes, self.n))
         self._alltoall_real(outs, ins)
-        self._fill_ghosts(outs, seq, "all_to_all")
+        self._fill_ghosts(outs, seq, "all_to_all", pieces=(output, rows) if output.is_contiguous() else None)
         return done([output])
 
     @operation
@@ -375,8 +474,9 @@ class PrismGroup(dist.ProcessGroup):
 
     def _alltoall_real(self, outs, ins):
         if not self.has_peers:
-            if outs[self.rank()].data_ptr() != ins[self.rank()].data_ptr():
-                outs[self.rank()].copy_(ins[self.rank()])
+            mine, theirs = outs[self.me], ins[self.me]
+            if mine.data_ptr() != theirs.data_ptr():
+                mine.copy_(theirs)
             return
         # Real members only: one packed exchange through the inner backend (gloo has no list form).
         send = torch.cat([ins[g].reshape(-1) for g in self.real])
@@ -405,7 +505,7 @@ class PrismGroup(dist.ProcessGroup):
             # (activations and gradients fed back through the same layers) that grows without bound.
             sent = self._stash.setdefault((tuple(t.shape), t.dtype), {})
             if dstRank not in sent:
-                sent[dstRank] = host_bytes(t)
+                sent[dstRank] = _host_copy(t)
         return done(tensors)
 
     @operation
@@ -428,6 +528,8 @@ class PrismGroup(dist.ProcessGroup):
                     t.normal_(generator=self._gen(t.device, seq, i)())
                 elif raw is None:
                     t.zero_()
+                elif isinstance(raw, torch.Tensor):  # pinned: an asynchronous copy, as a recv is
+                    t.copy_(raw, non_blocking=True)
                 else:
                     t.copy_(torch.from_numpy(raw).view(t.dtype).view(t.shape))
             else:

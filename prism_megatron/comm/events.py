@@ -53,17 +53,9 @@ class CommLog:
     """The same operations' CPU time on their threads (what fake execution subtracts from the
     program's host work: unlike wall time, it does not grow while another process has the CPU)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _running: threading.local = field(default_factory=threading.local, repr=False)
-
-    @property
-    def depth(self) -> int:
-        """Operations of this log now running on this thread (a coalesced one runs single ones
-        inside; an autograd thread's collective is its own)."""
-        return getattr(self._running, "depth", 0)
-
-    @depth.setter
-    def depth(self, value: int) -> None:
-        self._running.depth = value
+    running: threading.local = field(default_factory=threading.local, repr=False)
+    """Per thread, `depth`: operations of this log now running on it (a coalesced one runs single
+    ones inside; an autograd thread's collective is its own)."""
 
     def record(self, event: CommEvent) -> None:
         key = (event.op, event.dim)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -82,10 +83,12 @@ class VirtualSession:
     log: CommLog = field(default_factory=CommLog)
     p2p_backends: dict[str, object] = field(default_factory=dict)
     """Real backends over all physical processes by device type, only for real-to-real send/recv."""
-    ghost_data: list[Callable[[str, tuple[int, ...], int, torch.Tensor], bool]] = field(default_factory=list)
-    """Providers of what a ghost contributes, asked before the ghost policy: called with (op, group
-    members, the ghost's virtual rank, its slot); one that fills the slot returns True. The MoE routing
-    model fills a ghost's token counts this way (moe/routing.py)."""
+    ghost_data: list[Callable[[str, tuple[int, ...], list[int], torch.Tensor], Optional[np.ndarray]]] = field(
+        default_factory=list)
+    """Providers of what the ghosts contribute, asked once per operation before the ghost policy:
+    called with (op, group members, the ghosts' virtual ranks, one ghost slot as the template); one
+    that knows returns one row of values per ghost (an array of len(ghosts) x the slot's elements),
+    else None. The MoE routing model gives the ghosts' token counts this way (moe/routing.py)."""
     ghost_reductions: list[Callable[[str, tuple[int, ...], list[int], torch.Tensor, object],
                                     Optional[torch.Tensor]]] = field(default_factory=list)
     """Providers of the ghosts' part of a reduction, asked before the ghost policy: called with (op,

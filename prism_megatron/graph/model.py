@@ -89,9 +89,15 @@ class RoleGraph:
     def deps(self, node: int) -> np.ndarray:
         return self.dep_idx[self.dep_ptr[node]:self.dep_ptr[node + 1]]
 
-    def as_role(self, role: Role, representative: int, source: str) -> RoleGraph:
-        """This graph reused for another role (arrays shared, not copied)."""
-        return replace(self, role=role, representative=representative, source=source)
+    def as_role(self, role: Role, representative: int, source: str, layer_shift: int = 0) -> RoleGraph:
+        """This graph reused for another role (arrays shared, not copied). `layer_shift`: what to add
+        to the MoE rows' layer numbers (megatron's are global: a stage `d` stages further holds
+        layers `d * layers_per_stage` higher)."""
+        moe = self.moe
+        if layer_shift and len(moe.get("layer", ())):
+            layer = moe["layer"]
+            moe = dict(moe, layer=np.where(layer >= 0, layer + layer_shift, layer).astype(layer.dtype))
+        return replace(self, role=role, representative=representative, source=source, moe=moe)
 
     def remap_strings(self, mapping: np.ndarray) -> RoleGraph:
         """A copy whose string columns go through `mapping` (old index -> new index; -1 stays)."""
@@ -109,7 +115,8 @@ def _empty(spec: dict[str, str]) -> dict[str, np.ndarray]:
 
 def structure_hash(g: RoleGraph, strings: Sequence[str]) -> str:
     """sha256 of what the role does, without its timings: nodes (strings resolved), dependencies,
-    memory peak and breakdown, pipeline spans and MoE token counts."""
+    memory peak and breakdown, pipeline spans and MoE token counts. MoE layers count by their order
+    within the role, so two stages whose layers route alike hash alike."""
     h = hashlib.sha256()
 
     def text(column: np.ndarray) -> bytes:
@@ -127,7 +134,10 @@ def structure_hash(g: RoleGraph, strings: Sequence[str]) -> str:
         if name not in ("start_s", "end_s"):
             h.update(text(g.spans[name]) if name == "name" else g.spans[name].tobytes())
     for name in sorted(g.moe):
-        h.update(g.moe[name].tobytes())
+        column = g.moe[name]
+        if name == "layer":  # megatron's layer numbers are global: hash each row's place among
+            column = np.unique(column, return_inverse=True)[1].astype("i4")  # the role's own layers
+        h.update(column.tobytes())
     h.update(g.moe_ptr.tobytes())
     h.update(g.moe_tokens.tobytes())
     return h.hexdigest()

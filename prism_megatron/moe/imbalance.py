@@ -120,6 +120,12 @@ class Imbalance:
         return apportion(shares, total, cap=tokens)
 
     @property
+    def depends_on_source(self) -> bool:
+        """Whether two ranks' counts for the same layer and microbatch differ (per-rank draws or
+        logs); zipf, hot-experts and force-balanced give every rank the same."""
+        return self.kind in ("uniform", "dirichlet", "replay")
+
+    @property
     def varies_per_iteration(self) -> bool:
         """Whether the counts differ between iterations (a fresh draw, a replayed log, or drift)."""
         return self.kind in ("uniform", "replay") or self.drift_per_iteration > 0

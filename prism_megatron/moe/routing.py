@@ -39,18 +39,24 @@ class RoutingState:
         self.last: Optional[dict] = None  # keyword arguments of the latest counts() call
         self.capacity_exchange: Optional[dict] = None  # a DeepSpeed dropless gate's pending exchange
 
-    def provide(self, op: str, members: tuple[int, ...], ghost: int, slot: torch.Tensor) -> bool:
+    def provide(self, op: str, members: tuple[int, ...], ghosts: list[int],
+                like: torch.Tensor) -> Optional[np.ndarray]:
+        """The ghosts' tokens per local expert for the dispatcher's all-gather of counts (one row per
+        ghost), or None for any other operation. A model whose counts do not depend on the sending
+        rank draws them once for all the ghosts."""
         last = self.last
-        if op != "all_gather" or last is None or slot.dtype != torch.long or slot.numel() != last["experts"]:
-            return False
-        counts = self.model.counts(**{**last, "source": ghost})
+        if op != "all_gather" or last is None or like.dtype != torch.long or like.numel() != last["experts"]:
+            return None
+        if self.model.depends_on_source:
+            rows = np.stack([self.model.counts(**last, source=g) for g in ghosts])
+        else:
+            rows = np.broadcast_to(self.model.counts(**last, source=ghosts[0]), (len(ghosts), last["experts"]))
         if self.capacity_factor is not None:  # what megatron keeps per expert: min(load, capacity)
             t, k, e = last["tokens"], last["topk"], last["experts"]
             capacity = math.ceil(t * k / e * self.capacity_factor)
             if capacity < t:
-                counts = np.minimum(counts, capacity)
-        slot.copy_(torch.from_numpy(counts).view(slot.shape))
-        return True
+                rows = np.minimum(rows, capacity)
+        return rows
 
 
 class ModelledTopk:

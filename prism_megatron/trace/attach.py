@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prism_megatron.comm.events import CommEvent
+from prism_megatron.comm.ops import DoneWork
 from prism_megatron.runtime.patching import PatchSet
 from prism_megatron.trace.recorder import Recorder
 
@@ -79,13 +80,19 @@ def patch_wait(patches: PatchSet, recorder: Recorder, runtime: Any = None) -> No
     work_cls = torch._C._distributed_c10d.Work
     original = runtime.inner_wait if runtime is not None else work_cls.wait
 
-    def wait(self, *args, **kwargs):
-        entry = recorder.wait_begin(self)
-        result = original(self, *args, **kwargs)
-        recorder.wait_end(entry)
-        return result
+    def hooked(inner):
+        def wait(self, *args, **kwargs):
+            entry = recorder.wait_begin(self)
+            result = inner(self, *args, **kwargs)
+            recorder.wait_end(entry)
+            return result
 
+        return wait
+
+    wait = hooked(original)
     patches.patch(work_cls, "wait", runtime.settling(wait) if runtime is not None else wait)
+    # the prism backend's completed Work overrides `wait` (nothing to settle: it never blocks)
+    patches.patch(DoneWork, "wait", hooked(DoneWork.wait))
 
 
 def patch_cuda_sync(patches: PatchSet, recorder: Recorder, clock: Any) -> None:

@@ -288,7 +288,8 @@ class Recorder:
             it, group, at_once, ordinals, real_peer = entry
             if it is self._cur:
                 self._pending.setdefault(self.clock.stream(), []).extend(group)
-            stall = sum(self._wait_delays[k] for k in ordinals if 0 <= k < len(self._wait_delays))
+            stall = (sum(self._wait_delays[k] for k in ordinals if 0 <= k < len(self._wait_delays))
+                     if self._wait_delays else 0.0)
             if stall > 0 and it is self._cur:  # the replay's stream waits here: belongs to no node
                 self.clock.delay(stall)
             elif at_once and not real_peer:
