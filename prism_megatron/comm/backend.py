@@ -21,7 +21,6 @@ buffer; under `zeros`/`random` both are filled. Known limits: `recv` from any so
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Optional, Sequence
 
@@ -35,7 +34,6 @@ from prism_megatron.comm.events import CommEvent
 from prism_megatron.comm.ops import (
     REDUCE_NAMES,
     done,
-    host_bytes,
     inner_reduce_opts,
     nbytes_of,
     operation,
@@ -44,60 +42,9 @@ from prism_megatron.comm.ops import (
     split_rows,
 )
 from prism_megatron.comm.session import VirtualSession
+from prism_megatron.comm.slots import RowPieces, dtype_name, even_pieces, ghost_runs, host_copy
 
 BACKEND_NAME = "prism"
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive values in sorted `indices`: (position of the run's first, first,
-    one past the last)."""
-    runs: list[tuple[int, int, int]] = []
-    for i, g in enumerate(indices):
-        if runs and runs[-1][2] == g:
-            runs[-1] = (runs[-1][0], runs[-1][1], g + 1)
-        else:
-            runs.append((i, g, g + 1))
-    return runs
-
-
-def _host_copy(t: torch.Tensor):
-    """A copy of `t` outside the device allocator, for the p2p mirror: on GPU a pinned host tensor
-    filled asynchronously on the current stream (a blocking copy would stall the host until the
-    device drained, where a real send does not wait; the recv's copy back is stream-ordered after
-    it), on CPU the bytes as numpy (outside torch's allocator, so the tracked memory stays a real
-    rank's)."""
-    if t.device.type == "cpu":
-        return host_bytes(t)
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t.detach(), non_blocking=True)
-    return pinned
-
-
-class RowPieces:
-    """The n dim-0 pieces of `buffer` with `rows[g]` rows each, cut only when one is asked for
-    (torch.split makes all n views at once: 75 us for 64 of them on the 2-core VM)."""
-
-    def __init__(self, buffer: torch.Tensor, rows: list[int]) -> None:
-        self.buffer, self.rows = buffer, rows
-        self.starts = [0, *itertools.accumulate(rows)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, g: int) -> torch.Tensor:
-        return self.buffer.narrow(0, self.starts[g], self.rows[g]) if self.buffer.dim() else self.buffer
-
-
-def _even_pieces(output: torch.Tensor, n: int):
-    """(output, rows) when `output` is contiguous and splits into n equal dim-0 pieces, else None."""
-    if not output.is_contiguous() or not output.dim() or output.shape[0] % n:
-        return None
-    return output, [output.shape[0] // n] * n
 
 
 class PrismGroup(dist.ProcessGroup):
@@ -118,7 +65,7 @@ class PrismGroup(dist.ProcessGroup):
         self.mirror_source = {g: self.real[j % r] for j, g in enumerate(self.ghosts)}
         self.dim = session.dim_of(self.members)
         self.ghost_ranks = [self.members[g] for g in self.ghosts]
-        self._ghost_runs = _runs(self.ghosts)
+        self._ghost_runs = ghost_runs(self.ghosts)
         self._seq = itertools.count()  # next() is atomic under the GIL: calls from any thread
         self._stash: dict[tuple, dict[int, object]] = {}  # (shape, dtype) -> peer -> host copy
         self.has_peers = r > 1
@@ -147,7 +94,7 @@ class PrismGroup(dist.ProcessGroup):
     def _begin(self, op: str, tensors: Sequence[torch.Tensor], *, peer: Optional[int] = None,
                reduce_op: Optional[ReduceOp] = None) -> int:
         seq = next(self._seq)
-        dtype = _dtype_name(tensors[0].dtype) if tensors else "none"
+        dtype = dtype_name(tensors[0].dtype) if tensors else "none"
         self.session.log.record(CommEvent(
             op=op, dim=self.dim, group_id=self.group_id, nbytes=nbytes_of(tensors), dtype=dtype,
             seq=seq, members=self.members, ghosts=len(self.ghosts),
@@ -346,7 +293,7 @@ class PrismGroup(dist.ProcessGroup):
         if self.has_peers and not self.ghosts:
             self._inner(output)._allgather_base(output, input).wait()
             return done([output])
-        pieces = _even_pieces(output, self.n)
+        pieces = even_pieces(output, self.n)
         slots = RowPieces(*pieces) if pieces else list(output.chunk(self.n))
         mirror = self.session.policy.effective(output.dtype) == "mirror"
         in_place = input.data_ptr() == slots[self.me].data_ptr()
@@ -505,7 +452,7 @@ class PrismGroup(dist.ProcessGroup):
             # (activations and gradients fed back through the same layers) that grows without bound.
             sent = self._stash.setdefault((tuple(t.shape), t.dtype), {})
             if dstRank not in sent:
-                sent[dstRank] = _host_copy(t)
+                sent[dstRank] = host_copy(t)
         return done(tensors)
 
     @operation
