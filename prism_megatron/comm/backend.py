@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
@@ -42,7 +41,7 @@ from prism_megatron.comm.ops import (
     split_rows,
 )
 from prism_megatron.comm.session import VirtualSession
-from prism_megatron.comm.slots import RowPieces, dtype_name, even_pieces, ghost_runs, host_copy
+from prism_megatron.comm.slots import GhostSlots, RowPieces, dtype_name, even_pieces, host_copy
 
 BACKEND_NAME = "prism"
 
@@ -64,8 +63,8 @@ class PrismGroup(dist.ProcessGroup):
         # Ghost j of the group mirrors real member j mod r (the local one when it is alone).
         self.mirror_source = {g: self.real[j % r] for j, g in enumerate(self.ghosts)}
         self.dim = session.dim_of(self.members)
-        self.ghost_ranks = [self.members[g] for g in self.ghosts]
-        self._ghost_runs = ghost_runs(self.ghosts)
+        self.slots = GhostSlots(session, self.members, self.real, self.ghosts, group_rank,
+                                self.mirror_source, self._gen)
         self._seq = itertools.count()  # next() is atomic under the GIL: calls from any thread
         self._stash: dict[tuple, dict[int, object]] = {}  # (shape, dtype) -> peer -> host copy
         self.has_peers = r > 1
@@ -104,61 +103,6 @@ class PrismGroup(dist.ProcessGroup):
 
     def _gen(self, device: torch.device, seq: int, salt: int = 0):
         return lambda: self.session.policy.generator(device, self.group_id, seq, salt)
-
-    def _provided(self, slots: Sequence[torch.Tensor], op: str, pieces=None) -> bool:
-        """Whether a provider (session.ghost_data) filled every ghost slot; each is asked once per
-        operation, for all the ghosts, and none when there are none. `pieces`: see `_fill_ghosts`."""
-        providers = self.session.ghost_data
-        if not providers or not self.ghosts:
-            return False
-        like = slots[self.ghosts[0]]
-        for provide in providers:
-            values = provide(op, self.members, self.ghost_ranks, like)
-            if values is None:
-                continue
-            rows = torch.from_numpy(np.ascontiguousarray(values)).reshape(len(self.ghosts), -1)
-            for i, a, b in self._ghost_runs:
-                block = self._block(pieces, a, b)
-                if block is not None:
-                    block.copy_(rows[i:i + b - a])
-                else:
-                    for k in range(b - a):
-                        slots[a + k].copy_(rows[i + k].view(slots[a + k].shape))
-            return True
-        return False
-
-    def _block(self, pieces, a: int, b: int) -> Optional[torch.Tensor]:
-        """Slots a..b-1 as one [b - a, -1] view of the buffer when they are equal pieces of it."""
-        if pieces is None or b - a < 2:
-            return None
-        buffer, rows = pieces
-        if not rows[a] or rows[a:b].count(rows[a]) != b - a:
-            return None
-        return buffer.narrow(0, sum(rows[:a]), (b - a) * rows[a]).view(b - a, -1)
-
-    def _fill_ghosts(self, slots: Sequence[torch.Tensor], seq: int, op: str,
-                     skip: Optional[bool] = None, pieces=None) -> None:
-        """Fill each ghost's slot of `op`'s output with policy data (mirror copies its source),
-        unless a provider filled them all (`skip`; by default, asked here). `pieces`: (buffer, rows)
-        when the slots are consecutive dim-0 pieces of the contiguous `buffer`, `rows[g]` rows each;
-        a run of ghosts whose pieces match then takes one copy, not one per ghost (an all-to-all
-        over 64 experts has 63 ghost slots)."""
-        if self._provided(slots, op, pieces) if skip is None else skip:
-            return
-        policy = self.session.policy
-        me = self.me
-        if len(self.real) == 1 and policy.effective(slots[me].dtype) == "mirror":
-            local = slots[me]  # one real member: every ghost mirrors our slot
-            for _, a, b in self._ghost_runs:
-                block = self._block(pieces, a, b) if pieces and pieces[1][a] == pieces[1][me] else None
-                if block is not None:
-                    block.copy_(local.reshape(1, -1).expand(b - a, -1))
-                else:
-                    for g in range(a, b):
-                        policy.fill(slots[g], local, None)
-            return
-        for g in self.ghosts:
-            policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
 
     def _inner(self, like):
         """The real backend over this group's physical members for `like`'s device (a tensor or a
@@ -284,7 +228,7 @@ class PrismGroup(dist.ProcessGroup):
             elif not in_place:
                 outs[self.me].copy_(inp)
             if not (in_place and self.session.policy.effective(inp.dtype) == "mirror"):
-                self._fill_ghosts(outs, seq, "all_gather")  # in place under mirror: ghosts keep their shards
+                self.slots.fill(outs, seq, "all_gather")  # in place under mirror: ghosts keep their shards
         return done(output_tensors)
 
     @operation
@@ -307,7 +251,7 @@ class PrismGroup(dist.ProcessGroup):
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return done([output])
-        provided = self._provided(slots, "all_gather", pieces)
+        provided = self.slots.provided(slots, "all_gather", pieces)
         if not self.has_peers and mirror and output.is_contiguous() and not provided:
             # One real member: every slot is a copy of the local input; one broadcasted copy.
             output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
@@ -316,7 +260,7 @@ class PrismGroup(dist.ProcessGroup):
             self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
         else:
             slots[self.me].copy_(input)
-        self._fill_ghosts(slots, seq, "all_gather", skip=provided, pieces=pieces)
+        self.slots.fill(slots, seq, "all_gather", skip=provided, pieces=pieces)
         return done([output])
 
     @operation
@@ -347,7 +291,7 @@ class PrismGroup(dist.ProcessGroup):
         elif outs:
             outs[root].copy_(input_tensors[0])
         if outs:
-            self._fill_ghosts(outs, seq, "gather")
+            self.slots.fill(outs, seq, "gather")
         return done(output_tensors)
 
     # -- one-to-all ----------------------------------------------------------------------------
@@ -408,7 +352,7 @@ class PrismGroup(dist.ProcessGroup):
             outs = RowPieces(output, rows)
             ins = RowPieces(input, row_sizes(input, input_split_sizes, self.n))
         self._alltoall_real(outs, ins)
-        self._fill_ghosts(outs, seq, "all_to_all", pieces=(output, rows) if output.is_contiguous() else None)
+        self.slots.fill(outs, seq, "all_to_all", pieces=(output, rows) if output.is_contiguous() else None)
         return done([output])
 
     @operation
@@ -416,7 +360,7 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("all_to_all", input_tensors)
         outs, ins = list(output_tensors), list(input_tensors)
         self._alltoall_real(outs, ins)
-        self._fill_ghosts(outs, seq, "all_to_all")
+        self.slots.fill(outs, seq, "all_to_all")
         return done(output_tensors)
 
     def _alltoall_real(self, outs, ins):

@@ -1,12 +1,15 @@
-"""How a group operation's buffers split into one slot per member, and the host copies of the p2p
-mirror: helpers of the prism group (comm/backend.py) that hold no state of their own."""
+"""A group operation's output as one slot per member, and what goes into the ghosts' slots: the
+ghost-data providers' rows or the ghost policy's fill, one copy per run of equal slots where the slots
+are pieces of one buffer. Also the host copies of the p2p mirror. Used by the prism group
+(comm/backend.py), which does the real exchange."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from prism_megatron.comm.ops import host_bytes
@@ -62,3 +65,71 @@ def even_pieces(output: torch.Tensor, n: int):
     if not output.is_contiguous() or not output.dim() or output.shape[0] % n:
         return None
     return output, [output.shape[0] // n] * n
+
+
+class GhostSlots:
+    """Fills the ghosts' slots of one group's outputs (see the module docstring).
+
+    `pieces` below: (buffer, rows) when the slots are consecutive dim-0 pieces of the contiguous
+    `buffer`, `rows[g]` rows each (gathers into one tensor, all-to-all single). A run of ghosts whose
+    pieces are alike then takes one copy, not one per ghost: an all-to-all over 64 experts has 63
+    ghost slots."""
+
+    def __init__(self, session, members: Sequence[int], real: Sequence[int], ghosts: Sequence[int],
+                 me: int, mirror_source: dict[int, int], gen: Callable) -> None:
+        self.session, self.members, self.real, self.ghosts = session, tuple(members), real, ghosts
+        self.me, self.mirror_source, self._gen = me, mirror_source, gen
+        self.ghost_ranks = [self.members[g] for g in ghosts]
+        self.runs = ghost_runs(ghosts)
+
+    def provided(self, slots: Sequence[torch.Tensor], op: str, pieces=None) -> bool:
+        """Whether a provider (session.ghost_data) filled every ghost slot; each is asked once per
+        operation, for all the ghosts, and none when there are none."""
+        providers = self.session.ghost_data
+        if not providers or not self.ghosts:
+            return False
+        like = slots[self.ghosts[0]]
+        for provide in providers:
+            values = provide(op, self.members, self.ghost_ranks, like)
+            if values is None:
+                continue
+            rows = torch.from_numpy(np.ascontiguousarray(values)).reshape(len(self.ghosts), -1)
+            for i, a, b in self.runs:
+                block = _block(pieces, a, b)
+                if block is not None:
+                    block.copy_(rows[i:i + b - a])
+                else:
+                    for k in range(b - a):
+                        slots[a + k].copy_(rows[i + k].view(slots[a + k].shape))
+            return True
+        return False
+
+    def fill(self, slots: Sequence[torch.Tensor], seq: int, op: str, skip: Optional[bool] = None,
+             pieces=None) -> None:
+        """Fill each ghost's slot of `op`'s output with policy data (mirror copies its source),
+        unless a provider filled them all (`skip`; by default, asked here)."""
+        if self.provided(slots, op, pieces) if skip is None else skip:
+            return
+        policy, me = self.session.policy, self.me
+        if len(self.real) == 1 and policy.effective(slots[me].dtype) == "mirror":
+            local = slots[me]  # one real member: every ghost mirrors our slot
+            for _, a, b in self.runs:
+                block = _block(pieces, a, b) if pieces and pieces[1][a] == pieces[1][me] else None
+                if block is not None:
+                    block.copy_(local.reshape(1, -1).expand(b - a, -1))
+                else:
+                    for g in range(a, b):
+                        policy.fill(slots[g], local, None)
+            return
+        for g in self.ghosts:
+            policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
+
+
+def _block(pieces, a: int, b: int) -> Optional[torch.Tensor]:
+    """Slots a..b-1 as one [b - a, -1] view of the buffer when they are equal pieces of it."""
+    if pieces is None or b - a < 2:
+        return None
+    buffer, rows = pieces
+    if not rows[a] or rows[a:b].count(rows[a]) != b - a:
+        return None
+    return buffer.narrow(0, sum(rows[:a]), (b - a) * rows[a]).view(b - a, -1)

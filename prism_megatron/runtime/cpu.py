@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from prism_megatron.comm.ops import done
 from prism_megatron.runtime.memory import StorageTracker
 from prism_megatron.runtime.patching import PatchSet
 
@@ -278,19 +279,9 @@ def _uneven_all_gather(original: Callable) -> Callable:
         original(gathered, padded_input, group=group)
         for out, got in zip(tensor_list, gathered):
             out.copy_(got[: out.shape[0]])
-        return _CompletedWork() if async_op else None
+        return done() if async_op else None
 
     return all_gather
-
-
-class _CompletedWork:
-    """What an async all_gather returns when it already finished (the padded path is synchronous)."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
