@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                              help="with --kernels: also replay every op of this list as is (written by a "
                                   "fake run with PRISM_FAKE_OPS=FILE)")
             cmd.add_argument("--quick", action="store_true", help="with --kernels: a coarse GEMM grid")
+            cmd.add_argument("--host-modules", action="store_true",
+                             help="time the program's Python per module class on this GPU machine's host "
+                                  "(host-bound jobs, real and fake) and add it to the kernel calibration "
+                                  "--out (with --kernels: made first)")
             continue
         if name == "faults":
             from prism_megatron.faults.cli import add_arguments
@@ -302,9 +306,33 @@ def _cmd_simulate(args) -> int:
     return simulate_command(args)
 
 
+def _calibrate_host_modules(path: str) -> int:
+    import torch
+
+    from prism_megatron.kernels.host import calibrate_host_modules
+
+    if not torch.cuda.is_available():
+        raise ConfigError("calibrate --host-modules times real jobs on a GPU and none is visible here; run "
+                          "it on the GPU machine")
+    try:
+        calibrate_host_modules(path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    except RuntimeError as err:  # a job failed: its log is named
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_calibrate(args) -> int:
     import torch
 
+    if args.host_modules and not args.kernels:
+        if not os.path.isfile(args.out):
+            raise ConfigError(f"--host-modules adds to a kernel calibration, and {args.out} does not exist; "
+                              f"make it on this machine with `prism-megatron calibrate --kernels --out "
+                              f"{args.out}` (or pass both flags)")
+        return _calibrate_host_modules(args.out)
     if args.kernels:
         from prism_megatron.kernels.calibrate import calibrate_kernels
 
@@ -315,7 +343,7 @@ def _cmd_calibrate(args) -> int:
             raise ConfigError("calibrate --kernels measures a GPU and none is visible here; run it on the "
                               "GPU machine and pass the file as emulation.target_gpu=FILE")
         calibrate_kernels(args.out, args.ops, quick=args.quick)
-        return 0
+        return _calibrate_host_modules(args.out) if args.host_modules else 0
     if args.ops or args.quick:
         raise ConfigError("--ops and --quick go with --kernels")
 

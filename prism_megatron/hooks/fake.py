@@ -13,7 +13,7 @@ the program sees the memory a GPU would report.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -106,7 +106,39 @@ def install_fake(inst: Any) -> None:
     # the prism backend's own host time (answering ghosts) is not the program's host work
     clock.excluded_s = lambda: inst.session.log.host_cpu_s if inst.session is not None else 0.0
     inst.fake = FakeExecution(clock=clock).activate()
+    _module_host(inst, clock)
     inst._exits.append(lambda: _finish(inst))
+
+
+def _module_host(inst: Any, clock: Any) -> None:
+    """The module stack that tells the clock which module class's host figure applies (the kernel
+    model's module table), and that counts each class's ops for `calibrate --host-modules` when
+    PRISM_MODULE_HOST names a file."""
+    from prism_megatron.kernels import host
+
+    table, path = clock.model.host_modules, os.environ.get(host.ENV)
+    if not table and not path:
+        return
+
+    def on_change(key: Optional[str], entered: bool) -> None:
+        per_op_s, per_call_s = table.get(key if key is not None else host.OUTSIDE, (0.0, 0.0))
+        clock.enter_module(key, per_op_s, per_call_s if entered else 0.0)
+
+    def on_window() -> None:  # counting starts with the first measured iteration's first forward
+        clock.by_module = {}
+
+    on_change(None, False)
+    stack = host.ModuleStack(on_change, window_root=int(os.environ.get(host.WINDOW_ENV, "0")),
+                             on_window=on_window if path else None).install()
+    inst._handles.append(stack)
+    if path:
+        def write() -> None:
+            rows = {key if key is not None else host.OUTSIDE:
+                    {"calls": stack.calls.get(key, 0), "kernels": k, "views": v, "gap_s": g}
+                    for key, (k, v, g) in (clock.by_module or {}).items()}
+            host.write_figures(path, rows, execution="fake", launch_s=clock.model.host_launch_s)
+
+        inst._exits.append(write)
 
 
 def _optimizers_as_on_the_gpu(inst: Any) -> None:

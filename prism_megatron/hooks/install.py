@@ -46,6 +46,7 @@ from prism_megatron.hooks.torch_dist import (
     make_init_process_group,
     make_new_group,
 )
+from prism_megatron.kernels.host import ENV as MODULE_HOST_ENV
 from prism_megatron.runtime.cpu import CpuRuntime
 from prism_megatron.runtime.local_specs import activate_local_specs
 from prism_megatron.runtime.memory import StorageTracker
@@ -204,6 +205,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     inst.execution = resolve_execution(cfg, device)
     if inst.execution == "fake":
         install_fake(inst)
+    elif os.environ.get(MODULE_HOST_ENV):
+        _time_modules(inst, os.environ[MODULE_HOST_ENV])
     activate_local_specs(inst._patches)
     if cfg.trace.path:
         _install_recorder(inst, recorder)
@@ -253,6 +256,19 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     inst.patch(LanguageModule, "setup_embeddings_and_output_layer", make_setup_embeddings(
         LanguageModule.setup_embeddings_and_output_layer, session_of, lambda: cfg.train.seed))
     return inst
+
+
+def _time_modules(inst: Installation, path: str) -> None:
+    """A real run's exclusive host time per module call, written to `path` at the end (for
+    `calibrate --host-modules`, kernels/host.py)."""
+    from prism_megatron.kernels import host
+
+    stack = host.ModuleStack(timed=True, hook_s=host.hook_overhead_s(),
+                             window_root=int(os.environ.get(host.WINDOW_ENV, "0"))).install()
+    inst._handles.append(stack)
+    inst._exits.append(lambda: host.write_figures(path, host.real_figures(stack), execution="real",
+                                                  device=inst.device, hook_s=stack.hook_s,
+                                                  root_s=stack.root_s))
 
 
 def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:

@@ -186,6 +186,9 @@ class KernelCostModel:
     min_kernel_s: float = 0.0
     host_reference_s: float = 0.0
     """Seconds of `calibrate.host_reference_s()` on the GPU machine's host (0: unknown)."""
+    host_modules: dict = field(default_factory=dict)
+    """module class key -> (host seconds per op, per call) that its Python adds on the GPU host beyond
+    the launch figure (`kernels/host.py`, `calibrate --host-modules`); {}: not calibrated."""
     exact_any_scalars: dict = field(default_factory=dict)
     """For memory-bound ops: the exact table keyed with every float scalar argument set to 0. An
     elementwise kernel's time does not depend on the values it scales by, and some change every step
@@ -258,7 +261,10 @@ class KernelCostModel:
             by_bytes = dict(reversed(points))  # one point per size (the first measured)
             families[name] = np.asarray(sorted(by_bytes.items()), dtype="f8")
         host = data.get("host_figures", {})
-        return cls(spec, exact=exact, grids=grids, families=families, calibration=str(path),
+        modules = {key: (row["per_op_s"], row["per_call_s"])
+                   for key, row in data.get("host_modules", {}).get("modules", {}).items()
+                   if row["per_op_s"] or row["per_call_s"]}
+        return cls(spec, exact=exact, grids=grids, families=families, calibration=str(path), host_modules=modules,
                    host_launch_s=host.get("host_launch_s", 0.0), min_kernel_s=host.get("min_kernel_s", 0.0),
                    host_reference_s=host.get("host_reference_s", 0.0),
                    exact_scratch=exact_scratch, scratch_rule=scratch_rule)

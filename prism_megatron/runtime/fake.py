@@ -22,7 +22,10 @@ What cannot be faked is answered instead of failing:
 Time: `CostClock` is the recorder's clock under fake execution. `_FakeMode` hands it every aten op
 after it ran (fake) and advances a modelled host and device stream: the host pays the GPU's per-op launch
 time, the device starts a kernel when both it and the launch are ready and runs it for the
-kernel-cost model's duration (`kernels/model.py`); `.item()` and `synchronize` join them. A mark is
+kernel-cost model's duration (`kernels/model.py`); `.item()` and `synchronize` join them. The
+program's Python between ops is added from the GPU host's module table where the model has one
+(`kernels/host.py`: per op of the module class whose forward issued it), and host work longer than
+`HOST_GAP_ALLOWANCE_S` is measured here (`CostClock.host_work`). A mark is
 the device time at which an event recorded there would complete. Every op's signature can be kept
 (`ops`) to be measured on a real GPU (`prism-megatron calibrate --kernels --ops FILE`).
 
@@ -240,6 +243,19 @@ class CostClock:
         self.device_s = 0.0
         self.ops: Optional[dict] = {} if keep_ops else None
         self.by_source: dict[str, list] = {}  # source -> [ops, device seconds]
+        self.module: Optional[str] = None
+        """The module class whose forward runs now (kernels/host.py's ModuleStack), if one is set."""
+        self.module_host_s = 0.0
+        """Host seconds the current module's Python adds to each of its ops (the module table)."""
+        self.by_module: Optional[dict[str, list]] = None
+        """When a dict: module key -> [kernel ops, views, long-gap host seconds] (for the calibration)."""
+
+    def enter_module(self, key: Optional[str], per_op_s: float = 0.0, per_call_s: float = 0.0) -> None:
+        """The innermost running module is now `key` (None: none): its ops carry `per_op_s` of host
+        time each, and `per_call_s` is paid now (when it is entered)."""
+        self.module = key
+        self.module_host_s = per_op_s
+        self.host_s += per_call_s
 
     def mark(self) -> float:
         return max(self.host_s, self.device_s)
@@ -252,7 +268,10 @@ class CostClock:
         work a GPU host does too while the device may idle (an MoE routing model's numpy, a
         dispatcher's bookkeeping between its device-to-host syncs)."""
         if gap_s > HOST_GAP_ALLOWANCE_S:
-            self.host_s += (gap_s - HOST_GAP_ALLOWANCE_S) * self.host_scale
+            charged = (gap_s - HOST_GAP_ALLOWANCE_S) * self.host_scale
+            self.host_s += charged
+            if self.by_module is not None:
+                self.by_module.setdefault(self.module, [0, 0, 0.0])[2] += charged
 
     def sync(self, *args: Any, **kwargs: Any) -> None:
         self.host_s = max(self.host_s, self.device_s)
@@ -283,10 +302,12 @@ class CostClock:
         kind, seconds, source, events, sig = known
         if kind == "comm":
             return
+        if self.by_module is not None:
+            self.by_module.setdefault(self.module, [0, 0, 0.0])[kind == "free"] += 1
         if kind == "free":
-            self.host_s += 0.25 * self.model.host_launch_s
+            self.host_s += 0.25 * self.model.host_launch_s + self.module_host_s
             return
-        self.host_s += self.model.host_launch_s
+        self.host_s += self.model.host_launch_s + self.module_host_s
         self.device_s = max(self.device_s, self.host_s) + seconds
         if self.allocator is not None:
             for event in events:

@@ -1,0 +1,300 @@
+"""The program's own host time per module class: measured on the GPU machine's host, added by fake
+execution.
+
+Fake execution models the host as the GPU host's launch time per op (`host_launch_s`, a quarter of
+it per view) plus the gaps longer than 0.5 ms it measures here. That misses the Python that module
+code runs between its ops: on the H200 machine's host, host-bound tiny jobs take 1.04 s (MoE) and
+0.36 s (dense) per iteration where that model gives 0.67 and 0.29 s, short mostly in the forward
+pass, whose ops are issued from megatron's module code (the backward's come from the autograd
+engine in C++). This VM cannot measure that Python itself: here every metadata call of it goes
+through the CPU runtime's function mode and costs several times what it costs on the GPU host.
+
+So it is measured where it runs, per module class, as the kernel table is measured per op:
+
+- `ModuleStack` keeps, with global forward hooks, which module's forward is running (the innermost);
+  timed, it also collects every call's *exclusive* wall time (its own code, not its children's).
+- `prism-megatron calibrate --host-modules --out CAL` (on the GPU machine) runs host-bound jobs
+  (`HOST_JOBS`) twice: for real on the GPU, timed; and under fake execution, counting each class's
+  own ops and the host time the fake model already charges them. `module_table` turns the two
+  into the modelled host time the model lacks: per op of the class (spread over its ops, as Python
+  runs between them), or per call for a class that issues no op of its own.
+- Under fake execution (`hooks/fake.py`) the stack tells the `CostClock` which class's figure to add
+  per op.
+
+The figures are the target host's seconds (no `host_scale`): they are not measured on this CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["HOST_JOBS", "ModuleStack", "calibrate_host_modules", "module_key", "module_table"]
+
+HOST_JOBS = {
+    "dense-tiny": ["model.num_layers=8", "model.hidden_size=256", "model.num_attention_heads=4",
+                   "model.seq_length=256", "model.vocab_size=32000", "model.params_dtype=bf16",
+                   "train.micro_batch_size=1", "train.global_batch_size=16", "train.iters=8"],
+}
+"""Jobs whose GPU work is negligible, so that a real iteration is the host's time: the [D] GPT and
+MoE programs at hidden 256 and sequence 256 (overrides of the default config)."""
+HOST_JOBS["moe-tiny"] = HOST_JOBS["dense-tiny"] + ["model.num_experts=4", "model.moe_router_topk=2",
+                                                    "moe.imbalance=zipf(1.2)"]
+ENV = "PRISM_MODULE_HOST"
+"""A training process with this set to a path writes its per-module figures there at exit (timed
+when it runs for real, counted under fake execution)."""
+WINDOW_ENV = "PRISM_MODULE_HOST_WINDOW"
+"""The outermost module call (0-based) from which that process counts: the first forward of the
+first iteration measured."""
+OUTSIDE = "<outside modules>"
+"""The table's row for what runs outside every module's forward: the backward (issued by the autograd
+engine), the optimizer step, the schedule. One of its "calls" is one iteration."""
+FORMAT = "prism-module-host/1"
+
+
+def module_key(module: torch.nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class ModuleStack:
+    """Which module's forward runs now, from global forward hooks (see module docstring).
+
+    `on_change(key, entered)` is called with the innermost module's key after every entry (`entered`
+    True) and exit (False; None: outside every module). Calls are counted, and timed when `timed`, from the `window_root`-th
+    outermost call on (0-based; the iterations before it warm up caches and lazy state), when
+    `on_window()` is called once. Timed: each call's exclusive wall seconds go to `durations[key]`
+    (a child's call counts in its parent's time as the child's wall time plus `hook_s`, what these
+    hooks themselves add around it), and the outermost calls' wall seconds add up in `root_s`."""
+
+    def __init__(self, on_change: Optional[Callable[[Optional[str], bool], None]] = None,
+                 timed: bool = False, hook_s: float = 0.0, window_root: int = 0,
+                 on_window: Optional[Callable[[], None]] = None) -> None:
+        self.on_change = on_change
+        self.timed = timed
+        self.hook_s = hook_s
+        self.window_root = window_root
+        self.on_window = on_window
+        self.roots = 0
+        """Outermost calls so far (one per microbatch's forward in a training step)."""
+        self.root_s = 0.0
+        self.calls: dict[str, int] = {}
+        self.durations: dict[str, list[float]] = {}
+        self._open = False
+        self._stack: list[list] = []  # [key, start_s, children_s]
+        self._handles: list = []
+
+    @property
+    def current(self) -> Optional[str]:
+        return self._stack[-1][0] if self._stack else None
+
+    def install(self) -> "ModuleStack":
+        from torch.nn.modules import module as nn_module
+
+        self._handles = [nn_module.register_module_forward_pre_hook(self._enter),
+                         nn_module.register_module_forward_hook(self._exit, always_call=True)]
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        key = module_key(module)
+        if not self._stack:
+            if self.roots == self.window_root:
+                self._open = True
+                if self.on_window is not None:
+                    self.on_window()
+            self.roots += 1
+        if self._open:
+            self.calls[key] = self.calls.get(key, 0) + 1
+        self._stack.append([key, time.perf_counter() if self.timed else 0.0, 0.0])
+        if self.on_change is not None:
+            self.on_change(key, True)
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._stack:
+            return
+        key, start, children = self._stack.pop()
+        if self.timed and self._open:
+            wall = time.perf_counter() - start
+            self.durations.setdefault(key, []).append(wall - children)
+            if self._stack:
+                self._stack[-1][2] += wall + self.hook_s
+            else:
+                self.root_s += wall
+        if self.on_change is not None:
+            self.on_change(self.current, False)
+
+
+def hook_overhead_s(calls: int = 2000, repeats: int = 5) -> float:
+    """Seconds the timed stack adds to one module call (an empty module, with and without it; the
+    fastest of `repeats`): what a parent's exclusive time holds for each child call beyond the
+    child's own wall time."""
+    class Empty(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    empty = Empty()
+
+    def loop() -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                empty(None)
+            best = min(best, (time.perf_counter() - start) / calls)
+        return best
+
+    plain = loop()
+    stack = ModuleStack(timed=True).install()
+    try:
+        hooked = loop()
+    finally:
+        stack.remove()
+    return max(hooked - plain, 0.0)
+
+
+def module_table(real: dict, counted: dict, launch_s: float) -> dict:
+    """The host seconds per op (or per call) each module class lacks in the fake model.
+
+    `real`: key -> {"calls", "mean_s"} (exclusive wall seconds per call on the GPU host, over the
+    measured iterations). `counted`: key -> {"calls", "kernels", "views", "gap_s"} of the same job
+    under fake execution (its own ops and the long-gap host time the model charged it). The model
+    charges a call `(kernels * launch_s + views * launch_s / 4 + gap_s) / calls`; what the real call
+    took beyond that is spread over the call's ops, or added per call where it has none. Never
+    negative: the model is not made faster than it is. Classes seen in only one of the two runs are
+    left out. `OUTSIDE` is a row like the others (a call: an iteration)."""
+    table = {}
+    for key in sorted(set(real) & set(counted)):
+        r, c = real[key], counted[key]
+        if not c["calls"]:
+            continue
+        modelled = (c["kernels"] * launch_s + c["views"] * launch_s / 4 + c["gap_s"]) / c["calls"]
+        ops = (c["kernels"] + c["views"]) / c["calls"]
+        missing = max(r["mean_s"] - modelled, 0.0)
+        row = {"per_op_s": missing / ops if ops >= 1 else 0.0, "per_call_s": 0.0 if ops >= 1 else missing,
+               "real_s_per_call": r["mean_s"], "modelled_s_per_call": modelled, "ops_per_call": ops,
+               "calls": c["calls"]}
+        table[key] = row
+    return table
+
+
+def real_figures(stack: ModuleStack) -> dict:
+    """key -> calls and the mean and median exclusive seconds per call over the measured window (the
+    mean is what an iteration adds up; collector pauses included, as a GPU host has them too)."""
+    return {key: {"calls": len(d), "mean_s": statistics.fmean(d), "median_s": statistics.median(d)}
+            for key, d in stack.durations.items() if d}
+
+
+def write_figures(path: str, figures: dict, **meta: Any) -> None:
+    from prism_megatron.util import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"format": FORMAT, **meta, "modules": figures}, indent=1))
+
+
+def _run_job(args: list[str], env_path: Path, log_path: Path, device: str, window_root: int) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **{ENV: str(env_path), WINDOW_ENV: str(window_root)})
+    if device == "cpu":  # the CPU runtime runs only where no GPU is visible
+        env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    with open(log_path, "w") as handle:
+        rc = subprocess.run([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0 or not env_path.is_file():
+        raise RuntimeError(f"host calibration job failed ({rc}); see {log_path}")
+    return json.loads(env_path.read_text())
+
+
+def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[str]]] = None,
+                           log: Callable[[str], None] = print, keep: Optional[str] = None,
+                           device: str = "cuda") -> dict:
+    """Measure `jobs` (name -> config overrides; default `HOST_JOBS`) here, real on `device` and then
+    fake on this CPU, and add the module table to the kernel calibration at `calibration_path` (made
+    by `calibrate --kernels` on this machine: its launch figure is the model's). Returns the table.
+    `keep`: a folder for the jobs' files (default: a new temporary one)."""
+    from prism_megatron.capture.run import script_for
+    from prism_megatron.config import load_config
+    from prism_megatron.config.loader import to_yaml
+    from prism_megatron.util import atomic_write_text
+
+    with open(calibration_path) as f:
+        calibration = json.load(f)
+    launch_s = calibration.get("host_figures", {}).get("host_launch_s")
+    if calibration.get("format") != "prism-kernels/1" or not launch_s:
+        raise ValueError(f"{calibration_path}: not a kernel calibration with host figures; make one here "
+                         f"with `prism-megatron calibrate --kernels --out {calibration_path}` first")
+    if device == "cuda":  # the launch figure is this host's too: the table is the rest of its time
+        import torch
+
+        from prism_megatron.kernels.calibrate import host_figures
+
+        before = {k: v for k, v in calibration["host_figures"].items() if k != "previous"}
+        calibration["host_figures"].update(host_figures(torch), previous=before)
+        launch_s = calibration["host_figures"]["host_launch_s"]
+        log(f"host figures here: launch {launch_s * 1e6:.1f} us (was {before['host_launch_s'] * 1e6:.1f})")
+        atomic_write_text(calibration_path, json.dumps(calibration))
+    script = str(script_for("megatron"))
+    work = Path(keep or tempfile.mkdtemp(prefix="prism-host-"))
+    work.mkdir(parents=True, exist_ok=True)
+    real_all: dict = {}
+    counted_all: dict = {}
+    runs = {}
+    for name, overrides in (jobs or HOST_JOBS).items():
+        cfg = load_config([*overrides, "emulation.sandbox_ranks=[]", f"train.device={device}"])
+        real_cfg = work / f"{name}-real.yaml"
+        real_cfg.write_text(to_yaml(cfg))
+        fake = load_config(["emulation.virtual_world_size=1", "emulation.execution=fake", "train.device=cpu",
+                            f"emulation.target_gpu={os.path.abspath(calibration_path)}", "train.iters=3"],
+                           str(real_cfg))
+        fake_cfg = work / f"{name}-fake.yaml"
+        fake_cfg.write_text(to_yaml(fake))
+        iters, skip = cfg.train.iters, max(cfg.train.iters // 4, 1)
+        micro = cfg.train.global_batch_size // cfg.train.micro_batch_size  # one GPU: no data parallelism
+        log(f"host calibration {name}: real run ({device}), iterations {skip + 1}-{iters} measured")
+        summary = work / f"{name}-real-summary.json"
+        real = _run_job([script, "--prism-config", str(real_cfg), "--device", device, "--prism-summary-json",
+                         str(summary)], work / f"{name}-real.json", work / f"{name}-real.log", device,
+                        skip * micro)
+        times_s = [t / 1e3 for t in json.loads(summary.read_text())["iteration_times_ms"][skip:]]
+        real["modules"][OUTSIDE] = {"calls": len(times_s), "mean_s": (sum(times_s) - real["root_s"]) / len(times_s)}
+        log(f"host calibration {name}: fake run (cpu), iterations 2-{fake.train.iters} counted")
+        counted = _run_job([script, "--prism-config", str(fake_cfg), "--prism-sandbox-ranks", "0",
+                            "--device", "cpu"], work / f"{name}-fake.json", work / f"{name}-fake.log", "cpu",
+                           micro)
+        counted["modules"].get(OUTSIDE, {})["calls"] = fake.train.iters - 1
+        runs[name] = {"hook_s": real.get("hook_s"), "real_iterations_s": times_s,
+                      "real_forward_s_per_iteration": real["root_s"] / len(times_s)}
+        _pool(real_all, real["modules"], ("calls",), "mean_s")
+        _pool(counted_all, counted["modules"], ("calls", "kernels", "views", "gap_s"), None)
+    table = module_table(real_all, counted_all, launch_s)
+    calibration["host_modules"] = {"jobs": runs, "host": os.uname().nodename, "date": time.strftime("%Y-%m-%d"),
+                                   "modules": table}
+    atomic_write_text(calibration_path, json.dumps(calibration))
+    log(f"host calibration: {len(table)} module classes -> {calibration_path}")
+    return table
+
+
+def _pool(into: dict, rows: dict, summed: tuple, weighted: Optional[str]) -> None:
+    """Add one job's per-class rows to `into`: `summed` fields add up; `weighted` is averaged by calls."""
+    for key, row in rows.items():
+        have = into.get(key)
+        if have is None:
+            into[key] = dict(row)
+            continue
+        if weighted:
+            total = have["calls"] + row["calls"]
+            have[weighted] = (have[weighted] * have["calls"] + row[weighted] * row["calls"]) / total
+        for field_ in summed:
+            have[field_] += row[field_]
