@@ -38,6 +38,7 @@ from prism_megatron.comm.ops import (
     operation,
     reduce_op_of,
     row_sizes,
+    same_memory,
     split_rows,
 )
 from prism_megatron.comm.session import VirtualSession
@@ -210,7 +211,7 @@ class PrismGroup(dist.ProcessGroup):
             real_inputs = [inputs[g] for g in self.real]
             self._inner(out).reduce_scatter([out], [real_inputs],
                                       inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
-        elif out.data_ptr() != inputs[self.me].data_ptr():
+        elif not same_memory(out, inputs[self.me]):
             out.copy_(inputs[self.me])
         self.session.policy.finish_reduction(out, op, n=self.n, r=len(self.real),
                                              gen_factory=self._gen(out.device, seq, salt))
@@ -222,7 +223,7 @@ class PrismGroup(dist.ProcessGroup):
         seq = self._begin("all_gather", [t for ts in output_tensors for t in ts])
         for outs, inp in zip(output_tensors, input_tensors):
             outs = list(outs)
-            in_place = outs[self.me].data_ptr() == inp.data_ptr()
+            in_place = same_memory(outs[self.me], inp)
             if self.has_peers:
                 self._inner(inp).allgather([[outs[g] for g in self.real]], [inp]).wait()
             elif not in_place:
@@ -240,7 +241,7 @@ class PrismGroup(dist.ProcessGroup):
         pieces = even_pieces(output, self.n)
         slots = RowPieces(*pieces) if pieces else list(output.chunk(self.n))
         mirror = self.session.policy.effective(output.dtype) == "mirror"
-        in_place = input.data_ptr() == slots[self.me].data_ptr()
+        in_place = same_memory(input, slots[self.me])
         if mirror and in_place:
             # In-place gather of sharded state (distributed optimizer / ZeRO parameters): each ghost
             # owns its shard and would have updated it as we did ours; we keep its last known value
@@ -329,7 +330,7 @@ class PrismGroup(dist.ProcessGroup):
                 inner_opts.rootRank = self._inner_index(root)
                 inputs = [[input_tensors[0][g] for g in self.real]] if self.me == root else []
                 self._inner(out).scatter([out], inputs, inner_opts).wait()
-            elif out.data_ptr() != input_tensors[0][root].data_ptr():
+            elif not same_memory(out, input_tensors[0][root]):
                 out.copy_(input_tensors[0][root])
         elif self.session.policy.effective(out.dtype) != "mirror":
             self.session.policy.fill(out, None, self._gen(out.device, seq))
@@ -366,7 +367,7 @@ class PrismGroup(dist.ProcessGroup):
     def _alltoall_real(self, outs, ins):
         if not self.has_peers:
             mine, theirs = outs[self.me], ins[self.me]
-            if mine.data_ptr() != theirs.data_ptr():
+            if not same_memory(mine, theirs):
                 mine.copy_(theirs)
             return
         # Real members only: one packed exchange through the inner backend (gloo has no list form).

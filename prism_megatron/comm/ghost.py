@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ReduceOp
 
+from prism_megatron.comm.ops import same_memory
 from prism_megatron.config.schema import GHOST_POLICIES
 
 
@@ -122,7 +123,7 @@ class GhostPolicy:
         elif policy == "random":
             dst.normal_(generator=gen_factory())
         elif source.shape == dst.shape:
-            if source.data_ptr() != dst.data_ptr():
+            if not same_memory(source, dst):
                 dst.copy_(source)
         else:
             _tile_into(dst, source)
@@ -156,7 +157,7 @@ def _tile_into(dst: torch.Tensor, source: torch.Tensor) -> None:
     if dst.dim() == 0 or source.dim() == 0 or dst.shape[1:] != source.shape[1:]:
         flat_dst, flat_src = dst.reshape(-1), source.reshape(-1)
         _tile_rows(flat_dst, flat_src)
-        if flat_dst.data_ptr() != dst.data_ptr() or not dst.is_contiguous():
+        if not same_memory(flat_dst, dst) or not dst.is_contiguous():
             dst.copy_(flat_dst.view(dst.shape))
         return
     _tile_rows(dst, source)

@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ReduceOp
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
@@ -110,6 +111,15 @@ def reduce_op_of(opts) -> ReduceOp:
         return op
     raise ValueError(f"reduce op {opts.reduceOp} is not supported by the prism backend; "
                      "expected SUM, AVG, MAX, MIN or PRODUCT")
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do `a` and `b` begin at the same memory? A fake tensor has no data pointer (torch warns when
+    asked for one): its storage and offset tell instead."""
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
+        return (a.storage_offset() == b.storage_offset()
+                and a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+    return a.data_ptr() == b.data_ptr()
 
 
 def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
