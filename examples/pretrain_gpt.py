@@ -176,7 +176,8 @@ def train(cfg, inst, summary_path):
     summary = {"virtual_rank": rank, "virtual_world_size": dist.get_world_size(), "losses": [],
                "grad_norms": [], "iteration_times_ms": [],
                "ghost_policy": cfg.emulation.ghost_policy if inst.virtual else None,
-               "backend_host_s_per_iteration": [], "allocator_per_iteration": []}
+               "backend_host_s_per_iteration": [], "backend_host_cpu_s_per_iteration": [],
+               "allocator_per_iteration": []}
     log = inst.session.log if inst.session is not None else None
     # fake execution (a GPU-sized rank on a CPU): times come from the target GPU's kernel-cost model
     clock = inst.fake.clock if inst.fake is not None else None
@@ -188,6 +189,7 @@ def train(cfg, inst, summary_path):
         start = time.perf_counter()
         start_modelled = clock.mark() if clock is not None else 0.0
         backend_start = log.host_s if log is not None else 0.0
+        backend_cpu_start = log.host_cpu_s if log is not None else 0.0
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -210,6 +212,7 @@ def train(cfg, inst, summary_path):
         summary["iteration_times_ms"].append(elapsed_ms)
         if log is not None:  # the prism backend's own host time in this iteration
             summary["backend_host_s_per_iteration"].append(log.host_s - backend_start)
+            summary["backend_host_cpu_s_per_iteration"].append(log.host_cpu_s - backend_cpu_start)
         if device == "cuda":  # the caching allocator's retries and device calls so far (cumulative)
             stats = torch.cuda.memory_stats()
             summary["allocator_per_iteration"].append(
