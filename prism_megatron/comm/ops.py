@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ReduceOp
-from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils._python_dispatch import _push_mode
 
 REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
                 ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
@@ -41,7 +41,7 @@ def operation(method):
         # torch.no_grad() and a context manager for the modes cost 4x their hot time when the
         # caches are cold, as they are once per operation between a rank's kernels: flags instead
         grad = torch.is_grad_enabled()
-        modes = [_pop_mode() for _ in range(_dispatch_depth())] if _dispatch_depth() else ()
+        modes = [_pop_dispatch(None) for _ in range(_dispatch_depth())] if _dispatch_depth() else ()
         running.depth = 1
         torch._C._set_grad_enabled(False)
         try:
@@ -49,7 +49,10 @@ def operation(method):
         finally:
             torch._C._set_grad_enabled(grad)
             for mode in reversed(modes):
-                _push_mode(mode)
+                if getattr(mode, "_dispatch_key", None) is None:
+                    _push_dispatch(mode)  # what _push_mode does for such a mode, minus its Python
+                else:
+                    _push_mode(mode)
             running.depth = 0
         log.issued(work)
         log.host_s += time.perf_counter() - start
@@ -60,6 +63,8 @@ def operation(method):
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+_pop_dispatch = torch._C._pop_torch_dispatch_stack  # what _pop_mode() does, minus its Python
+_push_dispatch = torch._C._push_on_torch_dispatch_stack
 
 
 class DoneWork(dist.Work):
@@ -106,7 +111,8 @@ _REDUCE_OPS = {op: op for op in REDUCE_NAMES}
 
 
 def reduce_op_of(opts) -> ReduceOp:
-    op = _REDUCE_OPS.get(getattr(opts.reduceOp, "op", opts.reduceOp))
+    given = opts.reduceOp  # a property that builds a new object per read
+    op = _REDUCE_OPS.get(getattr(given, "op", given))
     if op is not None:
         return op
     raise ValueError(f"reduce op {opts.reduceOp} is not supported by the prism backend; "
@@ -123,6 +129,8 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
+    if len(tensors) == 1:  # nearly every operation: no generator
+        return tensors[0].numel() * tensors[0].element_size()
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
