@@ -328,6 +328,8 @@ def _cmd_calibrate(args) -> int:
     import torch
 
     if args.host_modules and not args.kernels:
+        if args.ops or args.quick:
+            raise ConfigError("--ops and --quick go with --kernels")
         if not os.path.isfile(args.out):
             raise ConfigError(f"--host-modules adds to a kernel calibration, and {args.out} does not exist; "
                               f"make it on this machine with `prism-megatron calibrate --kernels --out "

@@ -123,7 +123,7 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Do `a` and `b` begin at the same memory? A fake tensor has no data pointer (torch warns when
     asked for one): its storage and offset tell instead."""
     if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
-        return (a.storage_offset() == b.storage_offset()
+        return (a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size()
                 and a.untyped_storage()._cdata == b.untyped_storage()._cdata)
     return a.data_ptr() == b.data_ptr()
 

@@ -210,6 +210,7 @@ def _run_job(args: list[str], env_path: Path, log_path: Path, device: str, windo
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
+    env_path.unlink(missing_ok=True)  # a kept folder's earlier output is not this job's
     with open(log_path, "w") as handle:
         rc = subprocess.run([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0 or not env_path.is_file():
@@ -229,10 +230,14 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
     from prism_megatron.config.loader import to_yaml
     from prism_megatron.util import atomic_write_text
 
-    with open(calibration_path) as f:
-        calibration = json.load(f)
-    launch_s = calibration.get("host_figures", {}).get("host_launch_s")
-    if calibration.get("format") != "prism-kernels/1" or not launch_s:
+    try:
+        with open(calibration_path) as f:
+            calibration = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{calibration_path}: cannot read a kernel calibration ({err}); make one here with "
+                         f"`prism-megatron calibrate --kernels --out {calibration_path}`") from None
+    launch_s = calibration.get("host_figures", {}).get("host_launch_s") if isinstance(calibration, dict) else None
+    if not isinstance(calibration, dict) or calibration.get("format") != "prism-kernels/1" or not launch_s:
         raise ValueError(f"{calibration_path}: not a kernel calibration with host figures; make one here "
                          f"with `prism-megatron calibrate --kernels --out {calibration_path}` first")
     if device == "cuda":  # the launch figure is this host's too: the table is the rest of its time
@@ -244,10 +249,13 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
         calibration["host_figures"].update(host_figures(torch), previous=before)
         launch_s = calibration["host_figures"]["host_launch_s"]
         log(f"host figures here: launch {launch_s * 1e6:.1f} us (was {before['host_launch_s'] * 1e6:.1f})")
-        atomic_write_text(calibration_path, json.dumps(calibration))
     script = str(script_for("megatron"))
     work = Path(keep or tempfile.mkdtemp(prefix="prism-host-"))
     work.mkdir(parents=True, exist_ok=True)
+    # the fake jobs read this host's launch figures from a copy: the calibration itself is replaced
+    # once, at the end, so a failed job leaves it as it was (its table and figures together)
+    target = work / "calibration.json"
+    atomic_write_text(str(target), json.dumps(calibration))
     real_all: dict = {}
     counted_all: dict = {}
     runs = {}
@@ -256,18 +264,25 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
         real_cfg = work / f"{name}-real.yaml"
         real_cfg.write_text(to_yaml(cfg))
         fake = load_config(["emulation.virtual_world_size=1", "emulation.execution=fake", "train.device=cpu",
-                            f"emulation.target_gpu={os.path.abspath(calibration_path)}", "train.iters=3"],
+                            f"emulation.target_gpu={target.resolve()}", "train.iters=3"],
                            str(real_cfg))
         fake_cfg = work / f"{name}-fake.yaml"
         fake_cfg.write_text(to_yaml(fake))
         iters, skip = cfg.train.iters, max(cfg.train.iters // 4, 1)
+        if iters < 2:
+            raise ValueError(f"host calibration job {name}: train.iters={iters}; expected 2 or more (the "
+                             "first iterations warm up and are not measured)")
         micro = cfg.train.global_batch_size // cfg.train.micro_batch_size  # one GPU: no data parallelism
         log(f"host calibration {name}: real run ({device}), iterations {skip + 1}-{iters} measured")
         summary = work / f"{name}-real-summary.json"
         real = _run_job([script, "--prism-config", str(real_cfg), "--device", device, "--prism-summary-json",
                          str(summary)], work / f"{name}-real.json", work / f"{name}-real.log", device,
                         skip * micro)
-        times_s = [t / 1e3 for t in json.loads(summary.read_text())["iteration_times_ms"][skip:]]
+        try:
+            times_s = [t / 1e3 for t in json.loads(summary.read_text())["iteration_times_ms"][skip:]]
+        except (OSError, ValueError, KeyError):
+            raise RuntimeError(f"host calibration job {name} wrote no iteration times; see "
+                               f"{work / (name + '-real.log')}") from None
         real["modules"][OUTSIDE] = {"calls": len(times_s), "mean_s": (sum(times_s) - real["root_s"]) / len(times_s)}
         log(f"host calibration {name}: fake run (cpu), iterations 2-{fake.train.iters} counted")
         counted = _run_job([script, "--prism-config", str(fake_cfg), "--prism-sandbox-ranks", "0",
