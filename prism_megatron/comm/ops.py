@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ReduceOp
-from torch.utils._python_dispatch import _push_mode
 
 REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max",
                 ReduceOp.MIN: "min", ReduceOp.PRODUCT: "product"}
@@ -49,10 +48,7 @@ def operation(method):
         finally:
             torch._C._set_grad_enabled(grad)
             for mode in reversed(modes):
-                if getattr(mode, "_dispatch_key", None) is None:
-                    _push_dispatch(mode)  # what _push_mode does for such a mode, minus its Python
-                else:
-                    _push_mode(mode)
+                _push_dispatch(mode)
             running.depth = 0
         log.issued(work)
         log.host_s += time.perf_counter() - start
@@ -63,7 +59,9 @@ def operation(method):
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
-_pop_dispatch = torch._C._pop_torch_dispatch_stack  # what _pop_mode() does, minus its Python
+# what _pop_mode() and _push_mode() do for this stack, minus their Python (pre-dispatch modes, the
+# only ones _push_mode treats otherwise, live on a stack of their own)
+_pop_dispatch = torch._C._pop_torch_dispatch_stack
 _push_dispatch = torch._C._push_on_torch_dispatch_stack
 
 

@@ -61,18 +61,25 @@ engine), the optimizer step, the schedule. One of its "calls" is one iteration."
 FORMAT = "prism-module-host/1"
 
 
+_KEYS: dict[type, str] = {}
+
+
 def module_key(module: torch.nn.Module) -> str:
+    """`package.module.Class` of a module (made once per class: the stack asks at every call)."""
     cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    key = _KEYS.get(cls)
+    if key is None:
+        key = _KEYS[cls] = f"{cls.__module__}.{cls.__qualname__}"
+    return key
 
 
 class ModuleStack:
     """Which module's forward runs now, from global forward hooks (see module docstring).
 
     `on_change(key, entered)` is called with the innermost module's key after every entry (`entered`
-    True) and exit (False; None: outside every module). Calls are counted, and timed when `timed`, from the `window_root`-th
-    outermost call on (0-based; the iterations before it warm up caches and lazy state), when
-    `on_window()` is called once. Timed: each call's exclusive wall seconds go to `durations[key]`
+    True) and exit (False; None: outside every module). Calls are counted, and timed when `timed`,
+    from the `window_root`-th outermost call on (0-based; the iterations before it warm up caches and
+    lazy state), when `on_window()` is called once. Timed: each call's exclusive wall seconds go to `durations[key]`
     (a child's call counts in its parent's time as the child's wall time plus `hook_s`, what these
     hooks themselves add around it), and the outermost calls' wall seconds add up in `root_s`."""
 
@@ -236,8 +243,9 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
     except (OSError, ValueError) as err:
         raise ValueError(f"{calibration_path}: cannot read a kernel calibration ({err}); make one here with "
                          f"`prism-megatron calibrate --kernels --out {calibration_path}`") from None
-    launch_s = calibration.get("host_figures", {}).get("host_launch_s") if isinstance(calibration, dict) else None
-    if not isinstance(calibration, dict) or calibration.get("format") != "prism-kernels/1" or not launch_s:
+    is_kernels = isinstance(calibration, dict) and calibration.get("format") == "prism-kernels/1"
+    launch_s = calibration.get("host_figures", {}).get("host_launch_s") if is_kernels else None
+    if not launch_s:
         raise ValueError(f"{calibration_path}: not a kernel calibration with host figures; make one here "
                          f"with `prism-megatron calibrate --kernels --out {calibration_path}` first")
     if device == "cuda":  # the launch figure is this host's too: the table is the rest of its time
