@@ -12,7 +12,11 @@ tensor (so the device is never the bottleneck), median of blocks, in one process
   timed       the same in a timed iteration
   mark        the device clock's mark alone
 
-    python benchmarks/recorder_cost.py [--device cuda|cpu] [--calls 4000] [--json PATH]
+`--cold`: each call follows a matmul and a dict build that evict the host's caches, as a collective
+follows a rank's kernels in a real iteration, and each call is timed alone (median of blocks of
+per-call means). Hot loops understate the Python path several times over.
+
+    python benchmarks/recorder_cost.py [--device cuda|cpu] [--calls 4000] [--cold] [--world 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,9 +34,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 BLOCK = 200
+COLD = False
+
+
+def _cold_blocks(fn, calls: int, sync) -> float:
+    import torch
+
+    a = torch.randn(384, 384)
+
+    def thrash():
+        (a @ a).sum()
+        return {i: str(i) for i in range(3000)}
+
+    for _ in range(BLOCK):
+        fn()
+    sync()
+    per = []
+    for _ in range(max(1, calls // BLOCK)):
+        total = 0.0
+        for _ in range(BLOCK):
+            thrash()
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            total += time.perf_counter() - start
+        per.append(total / BLOCK * 1e6)
+    return statistics.median(per)
 
 
 def _blocks(fn, calls: int, sync) -> float:
+    if COLD:
+        return _cold_blocks(fn, calls, sync)
     for _ in range(BLOCK):
         fn()
     sync()
@@ -46,7 +79,7 @@ def _blocks(fn, calls: int, sync) -> float:
     return statistics.median(per)
 
 
-def worker(side: str, device: str, calls: int, out: str) -> None:
+def worker(side: str, device: str, calls: int, out: str, world: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -61,7 +94,8 @@ def worker(side: str, device: str, calls: int, out: str) -> None:
 
         trace = os.path.join(tempfile.mkdtemp(), "cost.prism")
         inst = prism_megatron.install(load_config([
-            f"train.device={device}", "emulation.virtual_world_size=2", "emulation.sandbox_ranks=[0]",
+            f"train.device={device}", f"emulation.virtual_world_size={world}", "emulation.sandbox_ranks=[0]",
+            f"train.global_batch_size={2 * world}",
             *([f"trace.path={trace}"] if side == "recorded" else [])]))
     dist.init_process_group(backend=backend)
     t = torch.ones(1024, device=device)
@@ -87,11 +121,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calls", type=int, default=4000)
+    parser.add_argument("--cold", action="store_true", help="evict caches before each call")
+    parser.add_argument("--world", type=int, default=2, help="virtual ranks of the prism group")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global COLD
+    COLD = args.cold
     if args.worker:
-        worker(args.worker[0], args.device, args.calls, args.worker[1])
+        worker(args.worker[0], args.device, args.calls, args.worker[1], args.world)
         return 0
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,15 +137,18 @@ def main() -> int:
             out = os.path.join(tmp, side + ".json")
             env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT=str(29500 + os.getpid() % 1000))
             subprocess.run([sys.executable, __file__, "--device", args.device, "--calls", str(args.calls),
+                            "--world", str(args.world), *(["--cold"] if args.cold else []),
                             "--worker", side, out], check=True, env=env, cwd=REPO)
             figures.update(json.loads(Path(out).read_text()))
-    print(f"host us per synchronous all_reduce of 1024 floats ({args.device}, median of {BLOCK}-call blocks)")
+    print(f"host us per synchronous all_reduce of 1024 floats ({args.device}, {'cold, ' if args.cold else ''}"
+          f"prism group of {args.world}, median of {BLOCK}-call blocks)")
     for key in ("plain", "prism", "labelled", "timed", "mark"):
         print(f"{key:>10} {figures[key]:8.1f} us")
     if args.json:
         from prism_megatron.util import atomic_write_text
 
-        atomic_write_text(args.json, json.dumps({"device": args.device, "us_per_call": figures}, indent=1))
+        atomic_write_text(args.json, json.dumps({"device": args.device, "cold": args.cold, "world": args.world,
+                                                 "us_per_call": figures}, indent=1))
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -803,7 +803,7 @@ def run_battery(policy: str, world_size: int, sandboxes: tuple[int, ...], groups
                         out["results"].setdefault(name, {})[case_.name] = case_.run(ctx)
                     except Exception:  # noqa: BLE001 - reported per case by the test
                         out["errors"].setdefault(name, {})[case_.name] = traceback.format_exc()
-                    out["events"].setdefault(name, {})[case_.name] = [asdict(e) for e in captured]
+                    out["events"].setdefault(name, {})[case_.name] = [e._asdict() for e in captured]
         return out
     finally:
         dist.destroy_process_group()

@@ -47,6 +47,11 @@ from prism_megatron.comm.slots import GhostSlots, RowPieces, dtype_name, even_pi
 BACKEND_NAME = "prism"
 
 
+def _fake(t: torch.Tensor) -> bool:
+    """`is_fake`, with a plain tensor (every p2p buffer of a real run) answered without its walk."""
+    return type(t) is not torch.Tensor and is_fake(t)
+
+
 class PrismGroup(dist.ProcessGroup):
     """A group of the virtual world as seen by one sandbox rank."""
 
@@ -59,6 +64,7 @@ class PrismGroup(dist.ProcessGroup):
         self.group_id = group_id
         phys = session.physical
         self.real = [g for g, v in enumerate(self.members) if phys.physical_of(v) is not None]
+        self._real_set = frozenset(self.real)
         self.ghosts = [g for g in range(len(self.members)) if phys.physical_of(self.members[g]) is None]
         r = len(self.real)
         # Ghost j of the group mirrors real member j mod r (the local one when it is alone).
@@ -94,16 +100,26 @@ class PrismGroup(dist.ProcessGroup):
     def _begin(self, op: str, tensors: Sequence[torch.Tensor], *, peer: Optional[int] = None,
                reduce_op: Optional[ReduceOp] = None) -> int:
         seq = next(self._seq)
-        dtype = dtype_name(tensors[0].dtype) if tensors else "none"
+        if peer is None:
+            peer_rank, delta, real_peer = None, None, self.has_peers
+        else:
+            n = len(self.members)
+            d = (peer - self.me) % n
+            peer_rank, delta = self.members[peer], (d - n if d > n // 2 else d)
+            real_peer = peer in self._real_set
         self.session.log.record(CommEvent(
-            op=op, dim=self.dim, group_id=self.group_id, nbytes=nbytes_of(tensors), dtype=dtype,
-            seq=seq, members=self.members, ghosts=len(self.ghosts),
-            peer=None if peer is None else self.members[peer],
-            reduce_op=None if reduce_op is None else REDUCE_NAMES[reduce_op]))
+            op, self.dim, self.group_id, nbytes_of(tensors),
+            dtype_name(tensors[0].dtype) if tensors else "none", seq, self.members, len(self.ghosts),
+            peer_rank, None if reduce_op is None else REDUCE_NAMES[reduce_op], delta, real_peer))
         return seq
 
     def _gen(self, device: torch.device, seq: int, salt: int = 0):
         return lambda: self.session.policy.generator(device, self.group_id, seq, salt)
+
+    def _gen_for(self, tensor: torch.Tensor, seq: int, salt: int = 0):
+        """`_gen` for `tensor`'s device, read only if a generator is asked for (rarely: the random
+        policy), since a tensor's `device` builds a new object per read."""
+        return lambda: self.session.policy.generator(tensor.device, self.group_id, seq, salt)
 
     def _inner(self, like):
         """The real backend over this group's physical members for `like`'s device (a tensor or a
@@ -135,7 +151,7 @@ class PrismGroup(dist.ProcessGroup):
         for i, t in enumerate(tensors):
             if not self._reduce_provided(t, op):
                 self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
-                                                     gen_factory=self._gen(t.device, seq, i))
+                                                     gen_factory=self._gen_for(t, seq, i))
         return done(tensors)
 
     def _reduce_provided(self, out: torch.Tensor, op: ReduceOp) -> bool:
@@ -176,7 +192,7 @@ class PrismGroup(dist.ProcessGroup):
         if root == self.me:
             for i, t in enumerate(tensors):
                 self.session.policy.finish_reduction(t, op, n=self.n, r=len(self.real),
-                                                     gen_factory=self._gen(t.device, seq, i))
+                                                     gen_factory=self._gen_for(t, seq, i))
         return done(tensors)
 
     @operation
@@ -195,7 +211,7 @@ class PrismGroup(dist.ProcessGroup):
             self._inner(output)._reduce_scatter_base(
                 output, input, inner_reduce_opts(dist.ReduceScatterOptions, op)).wait()
             self.session.policy.finish_reduction(output, op, n=self.n, r=self.n,
-                                                 gen_factory=self._gen(output.device, seq))
+                                                 gen_factory=self._gen_for(output, seq))
         else:
             self._reduce_scatter_one(output, list(input.chunk(self.n)), op, seq, 0)
         return done([output])
@@ -214,7 +230,7 @@ class PrismGroup(dist.ProcessGroup):
         elif not same_memory(out, inputs[self.me]):
             out.copy_(inputs[self.me])
         self.session.policy.finish_reduction(out, op, n=self.n, r=len(self.real),
-                                             gen_factory=self._gen(out.device, seq, salt))
+                                             gen_factory=self._gen_for(out, seq, salt))
 
     # -- gathers -------------------------------------------------------------------------------
 
@@ -391,7 +407,7 @@ class PrismGroup(dist.ProcessGroup):
         if physical is not None:
             return self.session.p2p_backends[tensors[0].device.type].send(tensors, physical, tag)
         for t in tensors:  # keep a host copy outside torch's allocator: memory stays a real rank's
-            if is_fake(t):  # fake execution: shapes only, there are no bytes to mirror
+            if _fake(t):  # fake execution: shapes only, there are no bytes to mirror
                 continue
             # The first one only: mirroring our latest output back into our input would form a loop
             # (activations and gradients fed back through the same layers) that grows without bound.
@@ -408,7 +424,7 @@ class PrismGroup(dist.ProcessGroup):
             return self.session.p2p_backends[tensors[0].device.type].recv(tensors, physical, tag)
         for i, t in enumerate(tensors):
             policy = self.session.policy
-            if is_fake(t):
+            if _fake(t):
                 continue
             if policy.effective(t.dtype) == "mirror":
                 sent = self._stash.get((tuple(t.shape), t.dtype), {})

@@ -13,12 +13,14 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 
-@dataclass(frozen=True, slots=True)
-class CommEvent:
-    """One operation on one sandbox rank, in issue order."""
+class CommEvent(NamedTuple):
+    """One operation on one sandbox rank, in issue order.
+
+    A named tuple, not a dataclass: one is made per operation between a rank's kernels, where a
+    frozen dataclass's per-field `object.__setattr__` costs several microseconds with cold caches."""
 
     op: str
     """Operation name: all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter,
@@ -36,6 +38,11 @@ class CommEvent:
     peer: Optional[int] = None
     """Virtual rank of the p2p peer (send/recv only)."""
     reduce_op: Optional[str] = None
+    peer_delta: Optional[int] = None
+    """p2p only: the peer's signed distance from this rank along the group, in (-n/2, n/2]
+    (+1: the next member, -1: the previous)."""
+    real_peer: bool = False
+    """Another sandbox takes part: the p2p peer is one, or the group has more than one."""
 
 
 @dataclass

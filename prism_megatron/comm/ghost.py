@@ -71,12 +71,18 @@ class GhostPolicy:
         `gen_factory()` returns this call's shared generator (only the random policy draws).
         """
         ghosts = n - r
+        if op is _SUM and ghosts and self.name == "mirror":  # nearly every reduction: first, alone
+            _scale(out, n, r)
+            return
         policy = self.effective(out.dtype)
         if ghosts == 0:
             if op == ReduceOp.AVG:
                 _divide(out, n)
             return
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
+        if op == ReduceOp.AVG and policy == "mirror":  # (n / r) * sum / n: one division, or none
+            if r > 1:
+                _divide(out, r)
+        elif op in (ReduceOp.SUM, ReduceOp.AVG):
             if policy == "mirror":
                 _scale(out, n, r)
             elif policy == "random":
@@ -129,8 +135,13 @@ class GhostPolicy:
             _tile_into(dst, source)
 
 
+_SUM = ReduceOp.SUM  # the object `comm.ops.reduce_op_of` returns for a sum, compared by identity
+
+
 def _scale(out: torch.Tensor, n: int, r: int) -> None:
-    if out.dtype.is_floating_point or out.dtype.is_complex:
+    if r == 1:  # exact for every dtype
+        out.mul_(n)
+    elif out.dtype.is_floating_point or out.dtype.is_complex:
         out.mul_(n / r)
     elif n % r == 0:
         out.mul_(n // r)

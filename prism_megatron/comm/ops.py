@@ -40,7 +40,8 @@ def operation(method):
         # torch.no_grad() and a context manager for the modes cost 4x their hot time when the
         # caches are cold, as they are once per operation between a rank's kernels: flags instead
         grad = torch.is_grad_enabled()
-        modes = [_pop_dispatch(None) for _ in range(_dispatch_depth())] if _dispatch_depth() else ()
+        depth = _dispatch_depth()
+        modes = [_pop_dispatch(None) for _ in range(depth)] if depth else ()
         running.depth = 1
         torch._C._set_grad_enabled(False)
         try:

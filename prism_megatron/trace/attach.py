@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prism_megatron.comm.events import CommEvent
 from prism_megatron.comm.ops import DoneWork
 from prism_megatron.runtime.patching import PatchSet
 from prism_megatron.trace.recorder import Recorder
@@ -52,21 +51,7 @@ def labelled(recorder: Recorder, label: str, fn: Callable) -> Callable:
 
 def connect_comm(recorder: Recorder, session: Any) -> None:
     """Record every operation of the session's prism backend."""
-    me = session.virtual_rank
-
-    def on_event(event: CommEvent) -> None:
-        delta = None
-        if event.peer is not None:
-            members, n = event.members, len(event.members)
-            d = (members.index(event.peer) - members.index(me)) % n
-            delta = d - n if d > n // 2 else d
-            real_peer = event.peer in session.physical.sandbox_set
-        else:
-            real_peer = event.ghosts < len(event.members) - 1
-        recorder.comm_begin(op=event.op, dim=event.dim, group=event.group_id, nbytes=event.nbytes,
-                            dtype=event.dtype, peer_delta=delta, real_peer=real_peer)
-
-    session.log.listeners.append(on_event)
+    session.log.listeners.append(recorder.comm_event)
     session.log.issue_listeners.append(recorder.comm_issued)
 
 

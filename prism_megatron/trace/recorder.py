@@ -219,15 +219,19 @@ class Recorder:
 
     # -- communication -------------------------------------------------------------------------
 
-    def comm_begin(self, *, op: str, dim: str, group: str, nbytes: int, dtype: str,
+    def comm_begin(self, op: str, dim: str, group: str, nbytes: int, dtype: str,
                    peer_delta: Optional[int], real_peer: bool = False) -> None:
         """An operation begins. `real_peer`: another sandbox takes part, so completion can take real
         time after the backend returns (a wait then always takes its mark; see `wait_begin`)."""
         with self._lock:
-            now = self._cut(anchor=f"comm:{op}:{group}")
-            it, stream = self._cur, f"comm.{dim}"
-            deps = [it.last[s] for s in (self.clock.stream(), stream) if s in it.last]
-            it.last[stream] = len(it.nodes)
+            compute = self.clock.stream()
+            now = self._cut(anchor=f"comm:{op}:{group}", stream=compute)
+            it, stream = self._cur, "comm." + dim
+            last = it.last
+            deps = [last[compute]]  # the compute segment `_cut` just closed
+            if stream in last:
+                deps.append(last[stream])
+            last[stream] = len(it.nodes)
             ordinal = -1
             if it is not self.setup:
                 ordinal, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
@@ -235,9 +239,13 @@ class Recorder:
                 self._unissued = []
             self._unissued.append((it, len(it.nodes)))
             self._real_peer = self._real_peer or real_peer
-            it.nodes.append(_Node(NodeKind.COMM, op, stream, now, None, deps, op=op, dim=dim,
-                                  group=group, nbytes=nbytes, dtype=dtype, peer_delta=peer_delta,
-                                  ordinal=ordinal))
+            it.nodes.append(_Node(NodeKind.COMM, op, stream, now, None, deps, op, dim, group, nbytes,
+                                  dtype, peer_delta, ordinal))
+
+    def comm_event(self, event: Any) -> None:
+        """`comm_begin` for a `CommEvent` of the prism backend (a `CommLog` listener)."""
+        self.comm_begin(event.op, event.dim, event.group_id, event.nbytes, event.dtype,
+                        event.peer_delta, event.real_peer)
 
     def comm_issued(self, work: Any) -> None:
         """The backend returned `work` for the operations begun since its last return (one, or
@@ -329,13 +337,21 @@ class Recorder:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _cut(self, sample_memory: bool = True, anchor: Optional[str] = "cut") -> int:
+    def _cut(self, sample_memory: bool = True, anchor: Optional[str] = "cut",
+             stream: Optional[str] = None) -> int:
         """Close the compute segment that ends now; return the mark's index. `anchor`: what the mark
-        is when it is one (None: a module boundary, cut only in labelled iterations)."""
-        it, stream = self._cur, self.clock.stream()
+        is when it is one (None: a module boundary, cut only in labelled iterations). `stream`: the
+        clock's current stream, when the caller has it."""
+        it = self._cur
+        if stream is None:
+            stream = self.clock.stream()
         now = it.add(self.clock.mark(), anchor)
-        deps = ([it.last[stream]] if stream in it.last else []) + self._pending.pop(stream, [])
-        it.last[stream] = len(it.nodes)
+        last = it.last
+        deps = [last[stream]] if stream in last else []
+        pending = self._pending.pop(stream, None)
+        if pending:
+            deps += pending
+        last[stream] = len(it.nodes)
         it.nodes.append(_Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
         if sample_memory and it.labelled:
             it.mem.append((now, self._allocated()))
