@@ -364,3 +364,42 @@ def test_replayed_indexing_ops_get_valid_spread_indices():
     rows = replay_ops(torch, lambda fn: (fn(), 0.0)[1], [unpermute, listed, embedding_bwd],
                       lambda s: None, device="cpu")
     assert all("error" not in r for r in rows), rows
+
+
+def test_host_scale_follows_this_cpus_speed_through_a_run(monkeypatch):
+    """This CPU's speed changes in phases during a run (HostScale): the reference is measured again
+    once per period, when a long gap is charged, and each gap is scaled by the latest ratio; the
+    ratio's samples are kept for the summary."""
+    import time
+
+    from prism_megatron.kernels import calibrate
+    from prism_megatron.runtime.fake import HOST_GAP_ALLOWANCE_S
+
+    # what the reference reads here: a fast phase, then a phase twice as slow
+    readings = iter([0.05, 0.10, 0.10, 0.10])
+    monkeypatch.setattr(calibrate, "host_reference_s", lambda repeats, loops: next(readings))
+    speed = calibrate.HostScale(0.05, period_s=3600.0)
+    assert speed.value == 1.0 and speed.scale() == 1.0  # not due: no new measurement
+    speed._due = time.perf_counter()  # the period is over
+    clock = CostClock(KernelCostModel.for_gpu("h200"))
+    clock.host_speed = speed
+    gap_s = HOST_GAP_ALLOWANCE_S + 0.02
+    clock.host_work(gap_s)
+    assert clock.host_scale == 0.5  # the slow phase: its host work is half as long on the target
+    assert clock.host_work_s == pytest.approx(0.02 * 0.5)
+    clock.host_work(gap_s)  # within the new period: the same ratio, no measurement
+    assert clock.host_work_s == pytest.approx(0.02)
+    assert speed.summary() == {"samples": 2, "min": 0.5, "median": 1.0, "max": 1.0}
+    with pytest.raises(ValueError, match="positive target reference"):
+        calibrate.HostScale(0.0)
+
+
+def test_part_of_the_host_reference_stands_for_the_whole():
+    """`host_reference_s(loops=...)` runs part of the uniform workload and answers the whole one's
+    seconds: an eighth of it reads about what the whole reads (the fastest of three each; a loaded
+    machine moves both, hence the loose bound)."""
+    from prism_megatron.kernels.calibrate import REFERENCE_LOOPS, host_reference_s
+
+    whole = host_reference_s(3)
+    part = host_reference_s(3, loops=REFERENCE_LOOPS // 8)
+    assert 0.5 < part / whole < 2.0

@@ -100,9 +100,10 @@ def install_fake(inst: Any) -> None:
     keep_ops = bool(os.environ.get("PRISM_FAKE_OPS"))
     clock = CostClock(model, keep_ops=keep_ops, allocator=allocator)
     if model.host_reference_s:  # the target's host against this one, on the same host workload
-        from prism_megatron.kernels.calibrate import host_reference_s
+        from prism_megatron.kernels.calibrate import HostScale
 
-        clock.host_scale = model.host_reference_s / host_reference_s()
+        clock.host_speed = HostScale(model.host_reference_s)
+        clock.host_scale = clock.host_speed.value
     # the prism backend's own host time (answering ghosts) is not the program's host work
     clock.excluded_s = lambda: inst.session.log.host_cpu_s if inst.session is not None else 0.0
     inst.fake = FakeExecution(clock=clock).activate()
@@ -225,7 +226,9 @@ def _finish(inst: Any) -> None:
 def fake_summary(inst: Any) -> dict:
     clock, allocator = inst.fake.clock, inst.runtime.tracker.allocator
     return {"mode": "fake", "target_gpu": inst.cfg.emulation.target_gpu, "kernel_model": clock.model.source,
-            "host_scale": clock.host_scale, "gc_cpu_s_excluded": inst.fake.gc_cpu_s,
+            "host_scale": clock.host_scale,
+            "host_scale_samples": clock.host_speed.summary() if clock.host_speed is not None else None,
+            "host_work_s": clock.host_work_s, "gc_cpu_s_excluded": inst.fake.gc_cpu_s,
             "peak_allocated_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
             "device_s": clock.device_s,
             "ops_by_source": {k: {"ops": v[0], "device_s": v[1]} for k, v in clock.by_source.items()}}

@@ -237,6 +237,11 @@ class CostClock:
         self.host_s = 0.0
         self.host_scale = 1.0
         """Host seconds of the target machine per host second measured here (1: as fast)."""
+        self.host_work_s = 0.0
+        """Target host seconds charged for the program's long gaps so far (`host_work`)."""
+        self.host_speed: Optional[Any] = None
+        """When set, an object whose `scale()` gives `host_scale` now (kernels.calibrate.HostScale:
+        this CPU's speed changes in phases during a run); asked each time a long gap is charged."""
         self.excluded_s: Optional[Callable[[], float]] = None
         """Cumulative host CPU seconds that are this tool's, not the program's (the prism backend
         answering ghosts): subtracted from the gaps between ops."""
@@ -268,8 +273,11 @@ class CostClock:
         work a GPU host does too while the device may idle (an MoE routing model's numpy, a
         dispatcher's bookkeeping between its device-to-host syncs)."""
         if gap_s > HOST_GAP_ALLOWANCE_S:
+            if self.host_speed is not None:
+                self.host_scale = self.host_speed.scale()
             charged = (gap_s - HOST_GAP_ALLOWANCE_S) * self.host_scale
             self.host_s += charged
+            self.host_work_s += charged
             if self.by_module is not None:
                 self.by_module.setdefault(self.module, [0, 0, 0.0])[2] += charged
 

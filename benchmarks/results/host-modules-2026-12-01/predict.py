@@ -24,6 +24,10 @@ for name in sys.argv[2:] or list(JOBS):
                "--prism-sandbox-ranks", "0", "--device", "cpu", "--prism-summary-json", summary]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        times = json.load(open(summary))["iteration_times_ms"]
+        out = json.load(open(summary))
+        times = out["iteration_times_ms"]
+    fake = out.get("execution") or {}
     print(json.dumps({"job": name, "target": target, "iteration_times_ms": [round(t, 1) for t in times],
-                      "median_2_3_ms": round(statistics.median(times[1:]), 1)}), flush=True)
+                      "median_2_3_ms": round(statistics.median(times[1:]), 1),
+                      **{k: fake[k] for k in ("host_scale", "host_scale_samples", "host_work_s") if k in fake}}),
+          flush=True)
