@@ -4,6 +4,29 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
+
+
+LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
+
+
+def job_env(cpu: bool, **extra: str) -> dict[str, str]:
+    """The environment of a job this tool starts (a capture slice, a sandbox, a calibration job).
+
+    It is this process's, without a launcher's rank variables (the job is a world of its own), with
+    one OpenMP thread on CPU unless one is set, and with `extra`. When prism_megatron runs from a
+    source checkout, that checkout goes first on the job's path: the job then runs the code of the
+    tool that started it, even where an editable install of another checkout would answer the import.
+    An installed package adds nothing, so a PYTHONPATH the user set keeps its precedence."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **extra)
+    for key in LAUNCHER_KEYS:
+        env.pop(key, None)
+    if cpu:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(__file__).resolve().parents[1]
+    if root.name not in ("site-packages", "dist-packages"):
+        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def atomic_write_text(path: str, text: str) -> None:

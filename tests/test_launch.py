@@ -103,3 +103,27 @@ def test_the_prism_flags_and_only_they_are_taken_out_of_the_script_arguments():
                      "--prism-virtual-world-size=64"]
     assert rest == ["--num-layers", "2", "mirror", "--lr", "0.1", "--seq-length", "2"]
     assert known.prism_virtual_world_size == 64 and known.prism_sandbox_ranks == ["0", "last-stage"]
+
+
+def test_a_started_job_runs_this_checkout_without_a_launchers_ranks(monkeypatch):
+    """`job_env`: the jobs the tool starts (capture slices, sandboxes, calibration jobs) import the
+    prism_megatron of the tool that started them (this checkout first on the path, before the
+    user's), are worlds of their own (no launcher rank variables) and take one OpenMP thread on CPU
+    unless one is set."""
+    from pathlib import Path
+
+    import prism_megatron
+    from prism_megatron.util import job_env
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = job_env(cpu=True, EXTRA="1")
+    root = str(Path(prism_megatron.__file__).resolve().parents[1])
+    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/somewhere/else"]
+    assert "RANK" not in env and env["OMP_NUM_THREADS"] == "1" and env["EXTRA"] == "1"
+    assert job_env(cpu=False).get("OMP_NUM_THREADS") is None
+    # from another directory, as a job started elsewhere, the import answers this checkout
+    where = subprocess.run([sys.executable, "-c", "import prism_megatron; print(prism_megatron.__file__)"],
+                           env=env, cwd="/", capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).resolve().parents[1] == Path(root)

@@ -32,7 +32,7 @@ from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.graph.check import GraphFileError, check_graph
 from prism_megatron.graph.io import load_graph, save_graph
 from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, structure_hash
-from prism_megatron.util import atomic_write_text
+from prism_megatron.util import atomic_write_text, job_env
 from prism_megatron.world import Role, VirtualWorld
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,13 +176,9 @@ class Capture:
                 "--prism-trace-selection", "node-median"]
 
     def _env(self, slot: int) -> dict:
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-            env.pop(key, None)
+        env = job_env(cpu=not self.gpus)
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
-        else:
-            env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
     def _run_all(self, slices: list[Slice], progress: _Progress) -> None:

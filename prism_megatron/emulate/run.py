@@ -18,7 +18,6 @@ summary reports N, the sandboxes, the direct-peer ghosts (emulate/sandbox.py) an
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable
 from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
-from prism_megatron.util import atomic_write_text, free_port
+from prism_megatron.util import atomic_write_text, free_port, job_env
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
 MEASURED_FAULT_THRESHOLD = 0.01  # realtime compute off by more than this: a measured fault profile
@@ -219,11 +218,7 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
                "--master-port", str(free_port()), *job]
     else:
         cmd = [sys.executable, *job]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", "1")
+    env = job_env(cpu=device == "cpu")
     log = out / "run.log"
     with open(log, "w") as handle:
         try:

@@ -212,11 +212,11 @@ def write_figures(path: str, figures: dict, **meta: Any) -> None:
 
 
 def _run_job(args: list[str], env_path: Path, log_path: Path, device: str, window_root: int) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", **{ENV: str(env_path), WINDOW_ENV: str(window_root)})
+    from prism_megatron.util import job_env
+
+    env = job_env(cpu=False, **{ENV: str(env_path), WINDOW_ENV: str(window_root)})
     if device == "cpu":  # the CPU runtime runs only where no GPU is visible
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
     env_path.unlink(missing_ok=True)  # a kept folder's earlier output is not this job's
     with open(log_path, "w") as handle:
         rc = subprocess.run([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
