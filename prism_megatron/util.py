@@ -17,7 +17,9 @@ def job_env(cpu: bool, **extra: str) -> dict[str, str]:
     one OpenMP thread on CPU unless one is set, and with `extra`. When prism_megatron runs from a
     source checkout, that checkout goes first on the job's path: the job then runs the code of the
     tool that started it, even where an editable install of another checkout would answer the import.
-    An installed package adds nothing, so a PYTHONPATH the user set keeps its precedence."""
+    A package installed in a `site-packages` or `dist-packages` folder adds nothing, so a PYTHONPATH
+    the user set keeps its precedence there (an install into another folder, as `pip --target`
+    makes, goes first like a checkout)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", **extra)
     for key in LAUNCHER_KEYS:
         env.pop(key, None)

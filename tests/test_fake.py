@@ -396,10 +396,13 @@ def test_host_scale_follows_this_cpus_speed_through_a_run(monkeypatch):
 
 def test_part_of_the_host_reference_stands_for_the_whole():
     """`host_reference_s(loops=...)` runs part of the uniform workload and answers the whole one's
-    seconds: an eighth of it reads about what the whole reads (the fastest of three each; a loaded
-    machine moves both, hence the loose bound)."""
+    seconds: an eighth of it reads about what the whole reads. The two are measured in turn, the
+    fastest of three each, since this CPU's speed changes in phases (HostScale) that a loaded machine
+    adds to, hence also the loose bound."""
     from prism_megatron.kernels.calibrate import REFERENCE_LOOPS, host_reference_s
 
-    whole = host_reference_s(3)
-    part = host_reference_s(3, loops=REFERENCE_LOOPS // 8)
+    whole, part = float("inf"), float("inf")
+    for _ in range(3):
+        whole = min(whole, host_reference_s(1))
+        part = min(part, host_reference_s(1, loops=REFERENCE_LOOPS // 8))
     assert 0.5 < part / whole < 2.0

@@ -48,7 +48,9 @@ BACKEND_NAME = "prism"
 
 
 def _fake(t: torch.Tensor) -> bool:
-    """`is_fake`, with a plain tensor (every p2p buffer of a real run) answered without its walk."""
+    """`is_fake`, with a tensor of exactly `torch.Tensor`'s type (every p2p buffer of a real run)
+    answered without its walk. Functionalization's and functorch's wrappers have that type too and
+    would count as real; fake execution hands the backend FakeTensors, never those."""
     return type(t) is not torch.Tensor and is_fake(t)
 
 

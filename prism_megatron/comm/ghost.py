@@ -67,7 +67,8 @@ class GhostPolicy:
                          gen_factory) -> None:
         """`out` holds the reduction over the r real members; fold in the n - r ghosts in place.
 
-        For AVG, `out` holds the real SUM; the division by n happens here.
+        For AVG, `out` holds the real SUM; the average happens here (under mirror, where the ghosts
+        bring the real mean, it is the division by r, or none with one real member).
         `gen_factory()` returns this call's shared generator (only the random policy draws).
         """
         ghosts = n - r

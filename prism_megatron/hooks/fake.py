@@ -226,7 +226,7 @@ def _finish(inst: Any) -> None:
 def fake_summary(inst: Any) -> dict:
     clock, allocator = inst.fake.clock, inst.runtime.tracker.allocator
     return {"mode": "fake", "target_gpu": inst.cfg.emulation.target_gpu, "kernel_model": clock.model.source,
-            "host_scale": clock.host_scale,
+            "host_scale": clock.host_scale,  # the latest ratio; the run's are in host_scale_samples
             "host_scale_samples": clock.host_speed.summary() if clock.host_speed is not None else None,
             "host_work_s": clock.host_work_s, "gc_cpu_s_excluded": inst.fake.gc_cpu_s,
             "peak_allocated_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
