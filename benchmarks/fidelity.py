@@ -2,9 +2,12 @@
 
 For each named config, in one invocation: the emulation captures the job's graph once (slices, one
 process at a time); then the real job (N processes under torchrun; no virtual world, no recorder) and
-`prism-megatron emulate` (one sandbox process) run `--reps` times each, interleaved. Per config it prints
-the real median iteration time and its run-to-run spread, the emulated iteration time, the error, and
-the real and emulated peak allocated memory of the sandbox rank and their error.
+`prism-megatron emulate` (one sandbox process per sandbox spec of the config: first stage, last stage,
+hottest expert) run `--reps` times each, interleaved. Per config and sandbox it prints the real median
+iteration time and its run-to-run spread, the emulated iteration time, the error, and the real and
+emulated peak allocated memory of the sandbox rank and their error. The default configs are the
+2-rank suite of issue [D]; the 8-rank suite of issue [I] (tp8, tp4_pp2, tp2_pp2_dp2_distopt_overlap,
+pp8_vpp2, moe_ep8, tp2_ep4) runs by name: 8 GPUs of one host, or 8 gloo processes on CPU.
 
 Real iteration time: per run, the median over iterations after `--warmup` of the slowest rank's
 iteration time (the example times each iteration from zero_grad to after the optimizer step and a
@@ -56,7 +59,19 @@ CONFIGS = {
     # DeepSpeed (examples/deepspeed_train.py): ZeRO-2 over the 2 ranks, bf16
     "zero2_dp2": (2, ["train.framework=deepspeed", "train.deepspeed_config=configs/deepspeed/zero2.json"],
                   ["0"]),
+    # issue [I]: 8 ranks (8 GPUs of one host, or 8 gloo processes), each sandbox spec emulated alone
+    "tp8": (8, ["parallel.tp=8"], ["first-stage"]),
+    "tp4_pp2": (8, ["parallel.tp=4", "parallel.pp=2"], ["first-stage", "last-stage"]),
+    "tp2_pp2_dp2_distopt_overlap": (8, ["parallel.tp=2", "parallel.pp=2", "train.use_distributed_optimizer=true",
+                                        "train.overlap_grad_reduce=true"], ["first-stage", "last-stage"]),
+    "pp8_vpp2": (8, ["parallel.pp=8", "parallel.vpp=2", "model.num_layers=16"], ["first-stage", "last-stage"]),
+    "moe_ep8": (8, ["parallel.ep=8", "model.num_experts=8", "model.moe_router_topk=2", "moe.imbalance=zipf(1.2)"],
+                ["first-stage", "hottest-expert"]),
+    "tp2_ep4": (8, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "model.num_experts=8",
+                    "model.moe_router_topk=2", "moe.imbalance=zipf(1.2)"], ["first-stage", "hottest-expert"]),
 }
+DEFAULT_CONFIGS = [name for name, (world, _, _) in CONFIGS.items() if world == 2]
+"""Those a plain run measures: the 2-rank suite of issue [D] (the 8-rank ones of [I] by name)."""
 SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 with the GPU shape
     "cpu": ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=8",
             "model.seq_length=128", "train.micro_batch_size=2", "train.global_batch_size=16"],
@@ -134,11 +149,14 @@ def emulated_run(graph_path: str, sandbox: list[str], device: str, out: Path, cl
 
 
 def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: Path, cluster: str,
-            calibration) -> tuple[list[float], dict, list[dict]]:
-    """Capture once, then real and emulated runs interleaved (real, emulated, real, ...), so that a
-    drift of the machine over the minutes of a config reaches both sides alike."""
+            calibration) -> tuple[list[float], dict, dict[str, list[dict]], list[list[float]]]:
+    """Capture once, then real and emulated runs interleaved (real, then one emulation per sandbox
+    spec, each its own single process; real, ...), so that a drift of the machine over the minutes
+    of a config reaches both sides alike. Returns the real medians, rank -> real peaks, spec -> its
+    emulations, and per real run the slowest rank's time per iteration."""
     graph_path = capture(name, config, world, args.device, tmp)
-    real, peaks, emus, per_iteration, allocators = [], {}, [], [], []
+    real, peaks, per_iteration, allocators = [], {}, [], []
+    emus: dict[str, list[dict]] = {spec: [] for spec in sandbox}
     for rep in range(args.reps):
         if not args.no_real:
             seconds, rank_peaks, slowest, allocator = real_run(name, config, world, args.device, args.warmup,
@@ -149,19 +167,15 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
             for rank, peak in rank_peaks.items():
                 peaks.setdefault(rank, []).append(peak)
         clock = "realtime" if args.realtime and rep == args.reps - 1 else "virtual"
-        emus.append(emulated_run(graph_path, sandbox, args.device, tmp / f"{name}-emu{rep}", cluster,
-                                 calibration, clock))
+        for spec in sandbox:
+            emus[spec].append(emulated_run(graph_path, [spec], args.device, tmp / f"{name}-{spec}-emu{rep}",
+                                           cluster, calibration, clock))
+    first = emus[sandbox[0]][0]
     if args.diagnose:
-        emus[0]["diagnosis"] = diagnose(graph_path, world, emus[0], args.device, tmp / f"{name}-all",
-                                        cluster, calibration)
-    emus[0]["real_slowest_s_per_iteration"] = per_iteration
-    emus[0]["real_allocator"] = allocators
-    from prism_megatron.config import load_config
-
-    if real and load_config([], str(config)).moe.routing_varies:  # the iteration the emulation timed
-        timed = emus[0]["sandbox"][0]["timed_iteration"] - 1
-        real = [times[timed] for times in per_iteration]
-    return real, peaks, emus
+        first["diagnosis"] = diagnose(graph_path, world, first, args.device, tmp / f"{name}-all",
+                                      cluster, calibration)
+    first["real_allocator"] = allocators
+    return real, peaks, emus, per_iteration
 
 
 def diagnose(graph_path: str, world: int, emu: dict, device: str, out: Path, cluster: str,
@@ -200,6 +214,57 @@ def _compute_by_name(path: Path, rank: int) -> dict[str, float]:
     return totals
 
 
+def _row(label: str, world: int, spec: str, emus: list[dict], real_all: list[float], peaks: dict,
+         per_iteration: list[list[float]], varies: bool, config: Path) -> tuple[dict, str]:
+    """One sandbox spec's row of a config (and its printed line): its rank's real and emulated
+    iteration time and peak allocated memory."""
+    nan = float("nan")
+    rank = emus[0]["sandbox"][0]["virtual_rank"]
+    real = real_all
+    if real and varies:  # routed per iteration: the real iteration this emulation timed (same loads)
+        timed = emus[0]["sandbox"][0]["timed_iteration"] - 1
+        real = [times[timed] for times in per_iteration]
+    real_s = statistics.median(real) if real else nan
+    emu_s = statistics.median(e["iteration_time_s"] for e in emus)
+    real_peak = statistics.median(peaks[rank]) if real else nan
+    emu_peak = statistics.median(e["sandbox"][0]["peak_allocated_bytes"] for e in emus)
+    row = {"config": label.split(":")[0], "world": world, "sandbox_spec": spec, "sandbox_rank": rank,
+           "real_iter_s_median": real_s, "real_iter_s_runs": real,
+           "real_spread_pct": (max(real) - min(real)) / real_s * 100 if real else nan,
+           "emu_iter_s": emu_s, "emu_iter_s_runs": [e["iteration_time_s"] for e in emus],
+           "iter_err_pct": (emu_s / real_s - 1) * 100, "real_peak_bytes": real_peak,
+           "emu_peak_bytes": int(emu_peak), "mem_err_pct": (emu_peak / real_peak - 1) * 100,
+           "materialized_ghosts": emus[0]["materialized_ghosts"], "classes": emus[0]["classes"],
+           "physical_fraction": emus[0]["physical_fraction"],
+           "sandbox_wall_ms": [e["sandbox_wall_ms"] for e in emus],
+           "sandbox": [e["sandbox"][0] for e in emus],
+           "real_slowest_s_per_iteration": per_iteration,
+           "real_allocator": emus[0].get("real_allocator"),
+           "sandbox_allocator": [e.get("sandbox_allocator") for e in emus],
+           "config_yaml": yaml.safe_load(config.read_text())}
+    realtime = [e["sandbox"][0] for e in emus if "realtime_iteration_s" in e["sandbox"][0]]
+    note = ""
+    if realtime:
+        rt = realtime[0]
+        row.update(realtime_vs_virtual_pct=rt["realtime_vs_virtual_pct"],
+                   realtime_replay_iter_s=rt["realtime_replay_iteration_s"],
+                   realtime_replay_err_pct=(rt["realtime_replay_iteration_s"] / real_s - 1) * 100)
+        note = (f"  realtime wall {rt['realtime_vs_virtual_pct']:+.2f}% of virtual; replayed with "
+                f"its compute {rt['realtime_replay_iteration_s'] * 1e3:.2f} ms "
+                f"({row['realtime_replay_err_pct']:+.2f}%)")
+    if "diagnosis" in emus[0]:
+        row["diagnosis"] = d = emus[0]["diagnosis"]
+        note += (f"\n    all ranks sandboxes: replay {d['all_sandbox_replay_s'] * 1e3:.2f} ms "
+                 f"({(d['all_sandbox_replay_s'] / real_s - 1) * 100:+.2f}% of real); compute alone "
+                 f"{d['compute_alone_s'] * 1e3:.2f} ms vs together "
+                 f"{d['compute_together_s'] * 1e3:.2f}"
+                 f" ms; by name (ms): {d['compute_diff_ms_by_name']}")
+    line = (f"{label:>34}{world:>3}{rank:>5}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
+            f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
+            f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%{note}")
+    return row, line
+
+
 def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> None:
     from prism_megatron.util import atomic_write_text
 
@@ -225,7 +290,7 @@ def _calibration(args, nproc: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -261,7 +326,7 @@ def main() -> int:
     calibration, calibration_from = _calibration(args, max(CONFIGS[c][0] for c in args.configs))
     print(f"network: {cluster}, calibration {calibration_from}")
     rows = []
-    header = (f"{'config':>20}{'N':>3}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
+    header = (f"{'config':>34}{'N':>3}{'rank':>5}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
               f"{'real peak MiB':>15}{'emu peak MiB':>14}{'mem err':>10}")
     print(header)
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -269,49 +334,17 @@ def main() -> int:
         tmp.mkdir(parents=True, exist_ok=True)
         for name in args.configs:
             config, world, sandbox = config_file(name, args.device, args.iters, tmp)
-            real, peaks, emus = measure(name, config, world, sandbox, args, tmp, cluster, calibration)
-            nan = float("nan")
-            rank = emus[0]["sandbox"][0]["virtual_rank"]
-            real_s = statistics.median(real) if real else nan
-            emu_s = statistics.median(e["iteration_time_s"] for e in emus)
-            real_peak = statistics.median(peaks[rank]) if real else nan
-            emu_peak = statistics.median(e["sandbox"][0]["peak_allocated_bytes"] for e in emus)
-            row = {"config": name, "world": world, "sandbox_rank": rank, "real_iter_s_median": real_s,
-                   "real_iter_s_runs": real,
-                   "real_spread_pct": (max(real) - min(real)) / real_s * 100 if real else nan,
-                   "emu_iter_s": emu_s, "emu_iter_s_runs": [e["iteration_time_s"] for e in emus],
-                   "iter_err_pct": (emu_s / real_s - 1) * 100, "real_peak_bytes": real_peak,
-                   "emu_peak_bytes": int(emu_peak), "mem_err_pct": (emu_peak / real_peak - 1) * 100,
-                   "materialized_ghosts": emus[0]["materialized_ghosts"], "classes": emus[0]["classes"],
-                   "physical_fraction": emus[0]["physical_fraction"],
-                   "sandbox_wall_ms": [e["sandbox_wall_ms"] for e in emus],
-                   "sandbox": [e["sandbox"][0] for e in emus],
-                   "real_slowest_s_per_iteration": emus[0]["real_slowest_s_per_iteration"],
-                   "real_allocator": emus[0]["real_allocator"],
-                   "sandbox_allocator": [e.get("sandbox_allocator") for e in emus],
-                   "config_yaml": yaml.safe_load(config.read_text())}
-            realtime = [e["sandbox"][0] for e in emus if "realtime_iteration_s" in e["sandbox"][0]]
-            note = ""
-            if realtime:
-                rt = realtime[0]
-                row.update(realtime_vs_virtual_pct=rt["realtime_vs_virtual_pct"],
-                           realtime_replay_iter_s=rt["realtime_replay_iteration_s"],
-                           realtime_replay_err_pct=(rt["realtime_replay_iteration_s"] / real_s - 1) * 100)
-                note = (f"  realtime wall {rt['realtime_vs_virtual_pct']:+.2f}% of virtual; replayed with "
-                        f"its compute {rt['realtime_replay_iteration_s'] * 1e3:.2f} ms "
-                        f"({row['realtime_replay_err_pct']:+.2f}%)")
-            if "diagnosis" in emus[0]:
-                row["diagnosis"] = d = emus[0]["diagnosis"]
-                note += (f"\n    all ranks sandboxes: replay {d['all_sandbox_replay_s'] * 1e3:.2f} ms "
-                         f"({(d['all_sandbox_replay_s'] / real_s - 1) * 100:+.2f}% of real); compute alone "
-                         f"{d['compute_alone_s'] * 1e3:.2f} ms vs together "
-                         f"{d['compute_together_s'] * 1e3:.2f}"
-                         f" ms; by name (ms): {d['compute_diff_ms_by_name']}")
-            rows.append(row)
-            _write(path, args, cluster, calibration_from, rows)  # after every config: nothing is lost
-            print(f"{name:>20}{world:>3}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
-                  f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
-                  f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%{note}", flush=True)
+            real_all, peaks, emus_by_spec, per_iteration = measure(name, config, world, sandbox, args, tmp,
+                                                                   cluster, calibration)
+            from prism_megatron.config import load_config
+
+            varies = load_config([], str(config)).moe.routing_varies
+            for spec, emus in emus_by_spec.items():
+                row, line = _row(name if len(sandbox) == 1 else f"{name}:{spec}", world, spec, emus, real_all,
+                                 peaks, per_iteration, varies, config)
+                rows.append(row)
+                _write(path, args, cluster, calibration_from, rows)  # after every row: nothing is lost
+                print(line, flush=True)
     if not args.no_real:
         errors = [abs(r["iter_err_pct"]) for r in rows]
         print(f"mean |iteration error| {statistics.mean(errors):.2f}%, max {max(errors):.2f}%; "
