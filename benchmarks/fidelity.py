@@ -279,12 +279,14 @@ def _calibration(args, nproc: int):
     from prism_megatron.comm.cost import Calibration
 
     path = args.calibration
-    if path is None and args.device == "cuda":
+    if path is None and args.device == "cuda" and nproc <= 2:
         path = str(REPO / "benchmarks" / "results" / "calibration-h200x2-2026-11-30-device.json")
     if path:
         return Calibration.from_json(Path(path).read_text()), path
+    # no calibration of this many ranks is committed: measure it here, on the machine under test
     with tempfile.TemporaryDirectory() as tmp:
-        data = calibrate("cpu", nproc, 1 << 10, 1 << 24, os.path.join(tmp, "cal.json"), fit_min_bytes=1 << 10)
+        data = calibrate(args.device, nproc, 1 << 10, 1 << 24 if args.device == "cpu" else 1 << 28,
+                         os.path.join(tmp, "cal.json"), fit_min_bytes=1 << 10 if args.device == "cpu" else 1 << 20)
     return Calibration(points=data["points"], fits=data["fits"], device=data["device"]), data["device"]
 
 
@@ -295,10 +297,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--cluster", default=None, help="network of the emulation (default: h200x2 on "
-                                                        "cuda, cpu_host on cpu)")
+    parser.add_argument("--cluster", default=None, help="network of the emulation (default: cpu_host on "
+                                                        "cpu; on cuda h200x2 for 2 ranks, dgx_h200 for 8)")
     parser.add_argument("--calibration", default=None,
-                        help="network calibration (default: on cpu, measured here first with gloo; on cuda, "
+                        help="network calibration (default: measured here first, gloo on cpu and NCCL over the "
+                             "configs' ranks on cuda; for 2 GPUs "
                              "benchmarks/results/calibration-h200x2-2026-11-30-device.json)")
     parser.add_argument("--realtime", action="store_true",
                         help="the last emulation of each config also runs with the realtime clock")
@@ -320,10 +323,11 @@ def main() -> int:
         print(f"error: configs {unknown} unknown (see --list), or --reps < 1, or --iters <= --warmup",
               file=sys.stderr)
         return 2
-    cluster = args.cluster or ("h200x2" if args.device == "cuda" else "cpu_host")
+    world = max(CONFIGS[c][0] for c in args.configs)
+    cluster = args.cluster or ("cpu_host" if args.device == "cpu" else "h200x2" if world <= 2 else "dgx_h200")
     machine = "h200" if args.device == "cuda" else platform.node()
     path = args.json or str(REPO / "benchmarks" / "results" / f"fidelity-{machine}-{date.today()}.json")
-    calibration, calibration_from = _calibration(args, max(CONFIGS[c][0] for c in args.configs))
+    calibration, calibration_from = _calibration(args, world)
     print(f"network: {cluster}, calibration {calibration_from}")
     rows = []
     header = (f"{'config':>34}{'N':>3}{'rank':>5}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
