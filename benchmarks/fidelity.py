@@ -259,7 +259,7 @@ def _row(label: str, world: int, spec: str, emus: list[dict], real_all: list[flo
                  f"{d['compute_alone_s'] * 1e3:.2f} ms vs together "
                  f"{d['compute_together_s'] * 1e3:.2f}"
                  f" ms; by name (ms): {d['compute_diff_ms_by_name']}")
-    line = (f"{label:>34}{world:>3}{rank:>5}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
+    line = (f"{label:>42}{world:>3}{rank:>5}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
             f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
             f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%{note}")
     return row, line
@@ -330,7 +330,7 @@ def main() -> int:
     calibration, calibration_from = _calibration(args, world)
     print(f"network: {cluster}, calibration {calibration_from}")
     rows = []
-    header = (f"{'config':>34}{'N':>3}{'rank':>5}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
+    header = (f"{'config':>42}{'N':>3}{'rank':>5}{'real ms':>10}{'spread':>8}{'emu ms':>10}{'error':>8}"
               f"{'real peak MiB':>15}{'emu peak MiB':>14}{'mem err':>10}")
     print(header)
     with tempfile.TemporaryDirectory() as tmp_name:
