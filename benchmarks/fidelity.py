@@ -81,13 +81,6 @@ SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 
 }
 
 
-def _env(device: str) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    if device == "cpu":
-        env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def config_file(name: str, device: str, iters: int, tmp: Path) -> tuple[Path, int, list[str]]:
     from prism_megatron.config import load_config
     from prism_megatron.config.loader import to_yaml
@@ -106,14 +99,15 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
     rank -> peak allocated bytes, the slowest rank's time per iteration, and rank -> the caching
     allocator's cumulative counters per iteration (GPU)."""
     from prism_megatron.capture.run import script_for
-    from prism_megatron.util import free_port
+    from prism_megatron.util import free_port, job_env
 
     framework = (yaml.safe_load(config.read_text()).get("train") or {}).get("framework", "megatron")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
          str(free_port()), str(script_for(framework)), "--prism-config", str(config),
          "--prism-summary-json", str(out / "summary{rank}.json")],
-        capture_output=True, text=True, env=_env(device), cwd=REPO, timeout=3600)
+        capture_output=True, text=True, env=job_env(cpu=device == "cpu"), cwd=REPO,
+        timeout=3600)
     if proc.returncode:
         raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
     per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
