@@ -184,10 +184,14 @@ def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
     # 1 %) is the benchmark's (benchmarks/fidelity.py --realtime)
     wall, replayed = row["realtime_iteration_s"], row["realtime_replay_iteration_s"]
     assert out["clock"] == "realtime" and abs(wall / replayed - 1) < 0.35, (wall, replayed)
-    assert abs(row["realtime_vs_virtual_pct"]) < 40, row
-    # the compute measured at the duty cycle, as a fault profile the replay takes back
+    # against the virtual figure of the first run: this VM's CPU runs at one of two speeds (1.75x
+    # apart, in phases of seconds), and the second run's compute over the first's (the factor) says
+    # which one each saw; -51 % once in CI with a faster second run
     factor = row["realtime_compute_factor"]
     assert factor > 0
+    ratio = 1 + row["realtime_vs_virtual_pct"] / 100
+    assert 0.65 * min(1.0, factor) < ratio < 1.4 * max(1.0, factor), row
+    # the compute measured at the duty cycle, as a fault profile the replay takes back
     if abs(factor - 1) > 0.01:
         from prism_megatron.faults.spec import parse_faults
 
