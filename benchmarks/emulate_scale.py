@@ -5,11 +5,13 @@ Captures the built-in default config (or `--config`/overrides) unless `--graph` 
 and prints per sandbox: the physical fraction, the direct-peer ghosts and the DES classes (goal: a
 number of peers, independent of N), the emulated job's iteration time, the sandbox's peak memory, and
 the emulator's own overhead per iteration (host time in the backend's operations) as a ratio to the
-sandbox's compute (issue [D]'s goal: <= 5%), the backend's time per operation, and the replay's time
-(the oracle runs once per emulation in virtual-clock mode).
+sandbox's compute (issue [D]'s goal: <= 5%), the same for the device time of the backend's
+operations ("on device": on a GPU-bound rank the host waits in its launches, in the backend too, so
+its host time overstates the cost; on CPU the two agree), the backend's time per operation, and the
+replay's time (the oracle runs once per emulation in virtual-clock mode).
 
     python benchmarks/emulate_scale.py [key=value ...] [--graph G] [--sandbox first-stage 4711] [--device cuda]
-                                       [--json PATH]
+                                       [--pace auto|on|off] [--json PATH]
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ def main() -> int:
     parser.add_argument("--cluster", default="dgx_h100")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the capture's slices and the sandboxes run (cuda: one GPU)")
+    parser.add_argument("--pace", default="auto", choices=("auto", "on", "off"),
+                        help="the sandboxes' collectives hold the stream for the ghosts' waits "
+                             "(auto: on GPU; emulate/run.py)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    pace = {"auto": None, "on": True, "off": False}[args.pace]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         graph = args.graph
@@ -53,9 +59,10 @@ def main() -> int:
             graph = Capture(cfg, os.path.join(tmp, "capture"), log=lambda s: None).run().graph_path
         print(f"{'sandbox':>12}{'rank':>6}{'N':>6}{'fraction':>11}{'peer ghosts':>13}{'classes':>9}"
               f"{'job iter ms':>13}{'peak MiB':>10}{'backend ms':>12}{'us/op':>7}{'replay ms':>11}"
-              f"{'overhead':>10}")
+              f"{'overhead':>10}{'on device':>11}")
         for spec in args.sandbox:
-            out = Emulation(graph, os.path.join(tmp, f"emu-{spec}"), [spec], load_cluster(args.cluster)).run()
+            out = Emulation(graph, os.path.join(tmp, f"emu-{spec}"), [spec], load_cluster(args.cluster),
+                            pace=pace).run()
             s = out["sandbox"][0]
             row = {"spec": spec, **{k: v for k, v in out.items() if k != "sandbox"}, **s}
             rows.append(row)
@@ -63,7 +70,8 @@ def main() -> int:
                   f"{out['materialized_ghosts']:>13}{out['classes']:>9}{out['iteration_time_s'] * 1e3:>13.2f}"
                   f"{s['peak_allocated_bytes'] / 2**20:>10.2f}"
                   f"{s['backend_host_s_per_iteration'] * 1e3:>12.2f}{s['backend_host_s_per_op'] * 1e6:>7.0f}"
-                  f"{s['replay_s'] * 1e3:>11.2f}{s['overhead_ratio'] * 100:>9.2f}%", flush=True)
+                  f"{s['replay_s'] * 1e3:>11.2f}{s['overhead_ratio'] * 100:>9.2f}%"
+                  f"{s['device_overhead_ratio'] * 100:>10.2f}%", flush=True)
     if args.json:
         atomic_write_text(args.json, json.dumps({"date": str(date.today()), "machine": platform.node(),
                                                  "cpus": os.cpu_count(), "device": args.device,

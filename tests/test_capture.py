@@ -178,6 +178,10 @@ def test_realtime_clock_injects_the_replayed_waits(real_and_captured, tmp_path):
     sandbox = load_graph(str(tmp_path / "emu" / "sandbox" / f"rank{rank}.prism"), check=False)
     assert len(plan) == int((sandbox.graph_of(rank).columns["kind"] != 0).sum())
     assert all(w >= 0 for w in plan) and sum(plan) > 0
+    # the waits as the clock measured them, in every iteration after the setup
+    waits = row["realtime_injected_waits"]
+    assert waits["count"] >= sum(w > 0 for w in plan) and waits["planned_s"] >= sum(plan)
+    assert waits["measured_s"] > 0 and waits["error_pct"] is not None
     # the wall clock with the waits injected against the replay of the compute it recorded meanwhile
     # (a CPU computes slower after sleeping; that is in both), and against the virtual figure; CPU
     # timing on the shared 2-core VM: 24 % apart once in CI (41 against 54 ms); the GPU check (target

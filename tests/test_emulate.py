@@ -32,6 +32,14 @@ def test_run_captures_once_then_emulates_the_sandbox(tmp_path):
     (row,) = out["sandbox"]
     assert row["virtual_rank"] == 2  # stage 1 of DP2 PP2 starts at rank 2
     assert row["peak_allocated_bytes"] > 0 and 0 < row["iteration_time_s"] <= out["iteration_time_s"]
+    # the emulator's own cost: on CPU the device time of the backend's operations is host time
+    # inside them, less the wrapper's bookkeeping around them (the graph's durations are medians over
+    # the timed iterations, the host time is the timed iteration's: some slack)
+    assert row["comm_ops_per_iteration"] > 0 and row["compute_s"] > 0
+    assert 0 < row["backend_device_s_per_iteration"] <= row["backend_host_s_per_iteration"] * 1.5
+    assert row["overhead_ratio"] == pytest.approx(row["backend_host_s_per_iteration"] / row["compute_s"])
+    assert row["device_overhead_ratio"] == pytest.approx(
+        row["backend_device_s_per_iteration"] / row["compute_s"])
     assert Path(out["graph_path"]).is_file() and (tmp_path / "r" / "run.json").is_file()
     assert "iteration" in first.stdout and "tokens/s/GPU" in first.stdout
     again = _run(*JOB, "--out", str(tmp_path / "r"), "--sandbox", "first-stage")

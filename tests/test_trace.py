@@ -463,3 +463,98 @@ def test_a_coalesced_work_covers_every_operation_it_ran():
     cols = g.columns
     end = float((cols["start_s"] + cols["duration_s"]).max())
     assert float(cols["duration_s"].sum()) == pytest.approx(end - 0.75 - 1e-3)  # both stalls, one gap
+
+
+def test_cpu_waits_take_the_measured_oversleep_off_the_next_ones(monkeypatch):
+    """A sleep overshoots (timer slack, wake-up); the clock asks the next sleeps for less by what it
+    measured, and reports what was planned against what was measured."""
+    from prism_megatron.trace import clock as clock_module
+
+    now = [0.0]
+    asked = []
+
+    def sleep(s):  # a host whose sleeps last 200 us longer than asked
+        asked.append(s)
+        now[0] += s + 200e-6
+
+    monkeypatch.setattr(clock_module.time, "sleep", sleep)
+    monkeypatch.setattr(clock_module.time, "perf_counter", lambda: now[0])
+    clock = clock_module.CpuClock()
+    for _ in range(40):
+        clock.delay(1e-3)
+    report = clock.delay_report()
+    assert report["count"] == 40 and report["planned_s"] == pytest.approx(40e-3)
+    assert asked[0] == pytest.approx(1e-3) and asked[-1] == pytest.approx(0.8e-3, rel=1e-3)
+    late = [a + 200e-6 for a in asked[-10:]]  # what the last sleeps lasted
+    assert sum(late) == pytest.approx(10e-3, rel=1e-3)
+    # the first sleeps overshot before the estimate settled: the whole is a few percent long
+    assert 0 < report["error_pct"] < 5
+
+
+class _FakeEvent:
+    """A CUDA event on a fake device timeline: its time is `now` when recorded."""
+
+    def __init__(self, now: list, done: list) -> None:
+        self.t, self.done = now[0], done
+
+    def query(self) -> bool:
+        return self.done[0]
+
+    def synchronize(self) -> None:
+        self.done[0] = True
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _fake_cuda_clock(sm_hz: list, done: list, first_rate: float):
+    """A CudaClock whose sleeps advance a fake device timeline by cycles / sm_hz[0] (no device here:
+    only the parts the delay path uses); returns it and the cycles each sleep asked for."""
+    from collections import deque
+
+    from prism_megatron.trace.clock import CudaClock, DelayAccount
+
+    now, asked = [0.0], []
+
+    def sleep(cycles):
+        asked.append(cycles)
+        now[0] += cycles / sm_hz[0]
+
+    clock = CudaClock.__new__(CudaClock)
+    clock._torch = type("FakeTorch", (), {"cuda": type("FakeCuda", (), {"_sleep": staticmethod(sleep)})})
+    clock._cycles_per_s, clock.delays, clock._sleeps = None, DelayAccount(), deque()
+    clock._rate_cycles = clock._rate_s = 0.0
+    clock.mark = lambda: _FakeEvent(now, done)
+    clock._measure_sleep_rate = lambda: first_rate
+    return clock, asked
+
+
+def test_gpu_waits_follow_the_sm_clock_measured_on_the_completed_sleeps():
+    """torch.cuda._sleep spins for cycles; when the SM clock drops 10 %, the completed sleeps (asked
+    without blocking) make the next sleeps shorter in cycles, so the injected time stays as planned."""
+    sm_hz = [2.0e9]
+    clock, asked = _fake_cuda_clock(sm_hz, [True], first_rate=2.0e9)
+    for _ in range(5):
+        clock.delay(1e-3)
+    assert asked[-1] == 2_000_000
+    sm_hz[0] = 1.8e9  # power or thermal limit: the clock drops
+    for _ in range(30):
+        clock.delay(1e-3)
+    assert asked[-1] == pytest.approx(1_800_000, rel=5e-3)
+    report = clock.delay_report()
+    assert report["count"] == 35 and report["planned_s"] == pytest.approx(35e-3)
+    assert report["cycles_per_s_first"] == 2.0e9
+    assert report["cycles_per_s_last"] == pytest.approx(1.8e9, rel=5e-3)
+    # the sleeps right after the drop ran up to 11 % long, until the estimate followed
+    assert 0 < report["error_pct"] < 2
+
+
+def test_gpu_waits_still_running_are_not_waited_for():
+    """Only completed sleeps are accounted while the run goes on (the host never blocks for them);
+    the report, at the end, waits for the rest."""
+    clock, _ = _fake_cuda_clock([1e9], [False], first_rate=1e9)
+    for _ in range(3):
+        clock.delay(2e-3)
+    assert clock.delays.count == 0 and len(clock._sleeps) == 3
+    report = clock.delay_report()
+    assert report["count"] == 3 and report["measured_s"] == pytest.approx(6e-3)

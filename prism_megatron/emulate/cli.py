@@ -106,11 +106,16 @@ def _print(s: dict) -> None:
         if "realtime_iteration_s" in row:
             print(f"    realtime: measured {row['realtime_iteration_s'] * 1e3:.3f} ms with the waits "
                   f"injected ({row['realtime_vs_virtual_pct']:+.2f}% against the virtual figure)")
+            waits = row.get("realtime_injected_waits")
+            if waits and waits.get("error_pct") is not None:
+                print(f"    waits injected: {waits['count']} for {waits['planned_s'] * 1e3:.3f} ms planned, "
+                      f"{waits['error_pct']:+.2f}% as measured")
         if row.get("overhead_ratio") is not None:
             print(f"    emulator overhead: backend {row['backend_host_s_per_iteration'] * 1e3:.2f} "
                   f"ms/iteration = {row['overhead_ratio'] * 100:.2f}% of its compute "
-                  f"({row['backend_host_s_per_op'] * 1e6:.0f} us per operation); replay "
-                  f"{row['replay_s'] * 1e3:.1f} ms once")
+                  f"({row['backend_host_s_per_op'] * 1e6:.0f} us per operation); on the device "
+                  f"{row['backend_device_s_per_iteration'] * 1e3:.2f} ms = "
+                  f"{row['device_overhead_ratio'] * 100:.2f}%; replay {row['replay_s'] * 1e3:.1f} ms once")
     print(f"job: iteration {s['iteration_time_s'] * 1e3:.3f} ms | {s['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {s['mfu'] * 100:.2f}%")
     if s.get("perfetto"):

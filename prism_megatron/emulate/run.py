@@ -176,6 +176,7 @@ class Emulation:
             row["realtime_iteration_s"] = wall
             row["realtime_vs_virtual_pct"] = (wall / row["iteration_time_s"] - 1) * 100
             row["realtime_replay_iteration_s"] = float(times[r])
+            row["realtime_injected_waits"] = run.get("injected_waits")
             # the sandbox's compute at the production duty cycle against its compute in the first run
             # (clocks, power and thermal state differ): a measured fault profile for the replay
             factor = _compute_s(again[r]) / max(_compute_s(rank_graphs[r]), 1e-12)
@@ -310,7 +311,14 @@ def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph
 def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> dict:
     """The emulator's own host time per iteration, the backend's operations in the recorded
     iteration, against the sandbox's compute in it; the backend's host time per operation (which does
-    not depend on the model size); and the replay's time (the oracle, once per emulation)."""
+    not depend on the model size); and the replay's time (the oracle, once per emulation).
+
+    On a GPU the host time overstates what the emulation costs the rank when the device is the
+    bottleneck: the host then runs ahead and waits inside its launches, in the backend as anywhere.
+    `backend_device_s_per_iteration` is what the device spent from the operations' begin marks to
+    their issue marks (the ghost folds, and any idle while it waited for the host to return from the
+    backend); on CPU the two are the same time. With a real peer (another sandbox) the real
+    exchange is in both."""
     try:
         per_iteration = json.loads(summary_path.read_text()).get("backend_host_s_per_iteration") or []
     except (OSError, ValueError):
@@ -319,11 +327,15 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
         return {}
     backend_s = float(per_iteration[min(timed, len(per_iteration) - 1)])  # the iteration the graph timed
     compute_s = _compute_s(g)
-    ops = int((g.columns["kind"] != 0).sum())
+    comm = g.columns["kind"] != 0
+    ops = int(comm.sum())
+    device_s = float(g.columns["duration_s"][comm].sum())
     return {"backend_host_s_per_iteration": backend_s, "comm_ops_per_iteration": ops,
             "backend_host_s_per_op": backend_s / ops if ops else 0.0, "replay_s": replay_s,
             "compute_s": compute_s,
-            "overhead_ratio": backend_s / compute_s if compute_s > 0 else None}
+            "overhead_ratio": backend_s / compute_s if compute_s > 0 else None,
+            "backend_device_s_per_iteration": device_s,
+            "device_overhead_ratio": device_s / compute_s if compute_s > 0 else None}
 
 
 def _compute_s(g: RoleGraph) -> float:

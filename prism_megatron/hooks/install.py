@@ -138,6 +138,9 @@ class Installation:
             summary["execution"] = fake_summary(self)
         if self.session is not None:
             summary["comm"] = self.session.log.rows()
+        delays = self.recorder.clock.delays if self.recorder is not None else None
+        if delays is not None and delays.count:  # realtime or paced: the injected waits, as measured
+            summary["injected_waits"] = self.recorder.clock.delay_report()
         if path:
             atomic_write_text(per_rank_path(path, summary["virtual_rank"]), json.dumps(summary, indent=1))
         values = [x for x in summary.get("losses", []) + summary.get("grad_norms", []) if x is not None]

@@ -9,9 +9,38 @@ on the device's own clock. `CpuClock` uses `time.perf_counter`, where work is sy
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
+
+
+RATE_DECAY = 0.9
+"""Weight per later sleep of what earlier ones measured, in the GPU's sleep-rate estimate."""
+
+
+class DelayAccount:
+    """What the injected waits were asked for and what the clock measured them to last."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.planned_s = 0.0
+        self.measured_s = 0.0
+        self.rates: list[float] = []
+        """The device's sleep rate (cycles per second) as it was estimated, first and latest."""
+
+    def add(self, planned_s: float, measured_s: float) -> None:
+        self.count += 1
+        self.planned_s += planned_s
+        self.measured_s += measured_s
+
+    def report(self) -> dict:
+        """{"count", "planned_s", "measured_s", "error_pct"} (and on GPU the sleep rates)."""
+        out = {"count": self.count, "planned_s": self.planned_s, "measured_s": self.measured_s,
+               "error_pct": (self.measured_s / self.planned_s - 1) * 100 if self.planned_s > 0 else None}
+        if self.rates:
+            out["cycles_per_s_first"], out["cycles_per_s_last"] = self.rates[0], self.rates[-1]
+        return out
 
 
 class CpuClock:
@@ -19,12 +48,26 @@ class CpuClock:
 
     kind = "cpu"
 
+    def __init__(self) -> None:
+        self.delays = DelayAccount()
+        self._overshoot_s = 0.0
+
     def mark(self) -> float:
         return time.perf_counter()
 
     def delay(self, seconds: float) -> None:
-        """Hold this stream (the host thread) for `seconds` (realtime emulation's waits)."""
-        time.sleep(seconds)
+        """Hold this stream (the host thread) for `seconds` (realtime emulation's waits). A sleep
+        overshoots by the kernel's timer slack and the wake-up (tens of microseconds, per wait); the
+        overshoot measured so far (a running mean) is taken off the next sleeps."""
+        asked = max(0.0, seconds - self._overshoot_s)
+        start = time.perf_counter()
+        time.sleep(asked)
+        took = time.perf_counter() - start
+        self.delays.add(seconds, took)
+        self._overshoot_s = 0.8 * self._overshoot_s + 0.2 * max(0.0, took - asked)
+
+    def delay_report(self) -> dict:
+        return self.delays.report()
 
     def stream(self) -> str:
         return "compute"
@@ -50,6 +93,9 @@ class CudaClock:
         self._event = getattr(torch._C, "_CudaEventBase", None)
         self._streams: dict[int, Any] = {}
         self._cycles_per_s = None
+        self.delays = DelayAccount()
+        self._sleeps: deque = deque()  # (start event, end event, cycles, planned seconds), in order
+        self._rate_cycles = self._rate_s = 0.0
 
     def mark(self) -> Any:
         if self._current is None or self._event is None:
@@ -67,10 +113,41 @@ class CudaClock:
 
     def delay(self, seconds: float) -> None:
         """Hold the current stream for `seconds` with a spinning kernel (torch.cuda._sleep), as a
-        collective waiting for its peers holds it; the host is not blocked."""
+        collective waiting for its peers holds it; the host is not blocked.
+
+        The kernel spins for a number of SM clock cycles, and the SM clock moves with the device's
+        power and thermal state (by several percent through a run). Each sleep is therefore timed by
+        a pair of events, and the sleeps that have completed (asked without blocking) set the rate the
+        next ones use: over a run the injected time tracks the planned one whatever the clock does."""
         if self._cycles_per_s is None:
             self._cycles_per_s = self._measure_sleep_rate()
-        self._torch.cuda._sleep(max(1, int(seconds * self._cycles_per_s)))
+            self.delays.rates.append(self._cycles_per_s)
+        self._settle()
+        cycles = max(1, round(seconds * self._cycles_per_s))
+        start = self.mark()
+        self._torch.cuda._sleep(cycles)
+        end = self.mark()
+        self._sleeps.append((start, end, cycles, seconds))
+
+    def _settle(self, block: bool = False) -> None:
+        """Account the completed sleeps, oldest first; their cycles over their measured seconds (a
+        decaying sum, so the estimate follows the clock) become the sleep rate."""
+        while self._sleeps and (block or self._sleeps[0][1].query()):
+            start, end, cycles, seconds = self._sleeps.popleft()
+            if block:
+                end.synchronize()
+            took = start.elapsed_time(end) * 1e-3
+            self.delays.add(seconds, took)
+            self._rate_cycles = RATE_DECAY * self._rate_cycles + cycles
+            self._rate_s = RATE_DECAY * self._rate_s + took
+            if self._rate_s > 0:
+                self._cycles_per_s = self._rate_cycles / self._rate_s
+        if self.delays.rates and self._cycles_per_s != self.delays.rates[-1]:
+            self.delays.rates[1:] = [self._cycles_per_s]
+
+    def delay_report(self) -> dict:
+        self._settle(block=True)
+        return self.delays.report()
 
     def _measure_sleep_rate(self) -> float:
         cuda = self._torch.cuda
