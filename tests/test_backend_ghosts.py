@@ -94,3 +94,16 @@ def test_subgroup_sees_its_group_ranks_and_labels_events_other(session):
 def test_group_name_is_the_registered_name(session):
     group = dist.new_group([2, 5, 9, 11])
     assert group.group_name == dist.distributed_c10d._world.pg_names[group]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [2, 8, 24, 257, 8192])
+def test_a_mirror_sum_with_one_real_member_is_n_times_the_local_tensor_bit_for_bit(dtype, n):
+    """The fold multiplies by a cached 0-dim tensor where the dtype holds n exactly (bf16 does not
+    hold 257): the same bits as `mul_(n)`, each call, with any dtype."""
+    policy = GhostPolicy()
+    base = (torch.randn(4096) * 100).to(dtype)
+    for _ in range(2):  # the second call takes the cached factor
+        out = base.clone()
+        policy.finish_reduction(out, dist.ReduceOp.SUM, n=n, r=1, gen_factory=None)
+        assert torch.equal(out, base.clone().mul_(n))

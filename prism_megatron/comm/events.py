@@ -58,7 +58,10 @@ class CommLog:
     exchange between sandboxes), for the emulator's overhead figure."""
     host_cpu_s: float = 0.0
     """The same operations' CPU time on their threads (what fake execution subtracts from the
-    program's host work: unlike wall time, it does not grow while another process has the CPU)."""
+    program's host work: unlike wall time, it does not grow while another process has the CPU).
+    Counted only where `cpu_timed` (two clock reads of 0.5 us each per operation otherwise)."""
+    cpu_timed: bool = False
+    """Count `host_cpu_s` (fake execution sets it)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     running: threading.local = field(default_factory=threading.local, repr=False)
     """Per thread, `depth`: operations of this log now running on it (a coalesced one runs single

@@ -25,7 +25,7 @@ PRODUCT under ``mirror`` raises the real product to the power n/r (sign lost for
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed import ReduceOp
@@ -45,6 +45,8 @@ class GhostPolicy:
 
     name: str = "mirror"
     seed: int = 1234
+    _factors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """(n, dtype) -> a 0-dim tensor holding n exactly in that dtype, or None where it cannot."""
 
     def __post_init__(self) -> None:
         if self.name not in GHOST_POLICIES:
@@ -63,6 +65,21 @@ class GhostPolicy:
 
     # -- reductions ------------------------------------------------------------------------------
 
+    def _times(self, out: torch.Tensor, n: int) -> None:
+        """`out.mul_(n)`, bit for bit. A Python number is wrapped in a new 0-dim tensor at each call,
+        which is more than half of a small multiply's host time (5.4 against 2.3 us on the 2-core VM);
+        a cached 0-dim tensor of `out`'s dtype is the same multiply where that dtype holds n exactly
+        (a CPU 0-dim tensor is a scalar argument on any device). FakeTensors keep the plain call."""
+        if type(out) is not torch.Tensor:
+            out.mul_(n)
+            return
+        key = (n, out.dtype)
+        factor = self._factors.get(key, _UNSET)
+        if factor is _UNSET:
+            exact = torch.tensor(n, dtype=out.dtype)
+            factor = self._factors[key] = exact if exact.item() == n else None
+        out.mul_(n if factor is None else factor)
+
     def finish_reduction(self, out: torch.Tensor, op: ReduceOp, *, n: int, r: int,
                          gen_factory) -> None:
         """`out` holds the reduction over the r real members; fold in the n - r ghosts in place.
@@ -73,7 +90,10 @@ class GhostPolicy:
         """
         ghosts = n - r
         if op is _SUM and ghosts and self.name == "mirror":  # nearly every reduction: first, alone
-            _scale(out, n, r)
+            if r == 1:
+                self._times(out, n)
+            else:
+                _scale(out, n, r)
             return
         policy = self.effective(out.dtype)
         if ghosts == 0:
@@ -137,6 +157,9 @@ class GhostPolicy:
 
 
 _SUM = ReduceOp.SUM  # the object `comm.ops.reduce_op_of` returns for a sum, compared by identity
+
+
+_UNSET = object()
 
 
 def _scale(out: torch.Tensor, n: int, r: int) -> None:

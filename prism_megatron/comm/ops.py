@@ -36,7 +36,8 @@ def operation(method):
         running = log.running
         if getattr(running, "depth", 0):  # inside a coalesced operation: the outer one announces
             return method(self, *args, **kwargs)
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        cpu_timed = log.cpu_timed
+        start, cpu_start = time.perf_counter(), time.thread_time() if cpu_timed else 0.0
         # torch.no_grad() and a context manager for the modes cost 4x their hot time when the
         # caches are cold, as they are once per operation between a rank's kernels: flags instead
         grad = torch.is_grad_enabled()
@@ -53,7 +54,8 @@ def operation(method):
             running.depth = 0
         log.issued(work)
         log.host_s += time.perf_counter() - start
-        log.host_cpu_s += time.thread_time() - cpu_start
+        if cpu_timed:
+            log.host_cpu_s += time.thread_time() - cpu_start
         return work
 
     return run

@@ -138,8 +138,10 @@ class Installation:
             summary["execution"] = fake_summary(self)
         if self.session is not None:
             summary["comm"] = self.session.log.rows()
-        delays = self.recorder.clock.delays if self.recorder is not None else None
-        if delays is not None and delays.count:  # realtime or paced: the injected waits, as measured
+        # realtime or paced on a device clock: the injected waits as measured (a modelled clock of
+        # fake execution has no measurement of them)
+        delays = getattr(self.recorder.clock, "delays", None) if self.recorder is not None else None
+        if delays is not None and delays.count:
             summary["injected_waits"] = self.recorder.clock.delay_report()
         if path:
             atomic_write_text(per_rank_path(path, summary["virtual_rank"]), json.dumps(summary, indent=1))
@@ -223,6 +225,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
     def on_session(session: VirtualSession) -> None:
         inst.session = session
+        session.log.cpu_timed = inst.execution == "fake"  # its clock takes the backend's CPU time off
         if inst.routing is not None:
             session.ghost_data.append(inst.routing.provide)
         if inst.recorder is not None:
