@@ -7,8 +7,9 @@ number of peers, independent of N), the emulated job's iteration time, the sandb
 the emulator's own overhead per iteration (host time in the backend's operations) as a ratio to the
 sandbox's compute (issue [D]'s goal: <= 5%), the same for the device time of the backend's
 operations ("on device": on a GPU-bound rank the host waits in its launches, in the backend too, so
-its host time overstates the cost; on CPU the two agree), the backend's time per operation, and the
-replay's time (the oracle runs once per emulation in virtual-clock mode).
+its host time overstates the cost; on CPU it is the host time between the operations' marks), the
+backend's time per operation, and the replay's time (the oracle runs once per emulation in
+virtual-clock mode).
 
     python benchmarks/emulate_scale.py [key=value ...] [--graph G] [--sandbox first-stage 4711] [--device cuda]
                                        [--pace auto|on|off] [--json PATH]

@@ -317,8 +317,9 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
     bottleneck: the host then runs ahead and waits inside its launches, in the backend as anywhere.
     `backend_device_s_per_iteration` is what the device spent from the operations' begin marks to
     their issue marks (the ghost folds, and any idle while it waited for the host to return from the
-    backend); on CPU the two are the same time. With a real peer (another sandbox) the real
-    exchange is in both."""
+    backend). On CPU it is the host time between those marks: the backend's time before the begin
+    mark and after the issue mark (its wrapper, the event) falls into the neighbouring compute
+    segments. With a real peer (another sandbox) the real exchange is in both."""
     try:
         per_iteration = json.loads(summary_path.read_text()).get("backend_host_s_per_iteration") or []
     except (OSError, ValueError):
