@@ -212,7 +212,8 @@ def train(cfg, inst, summary_path):
         summary["iteration_times_ms"].append(elapsed_ms)
         if log is not None:  # the prism backend's own host time in this iteration
             summary["backend_host_s_per_iteration"].append(log.host_s - backend_start)
-            summary["backend_host_cpu_s_per_iteration"].append(log.host_cpu_s - backend_cpu_start)
+            summary["backend_host_cpu_s_per_iteration"].append(  # counted under fake execution only
+                log.host_cpu_s - backend_cpu_start if log.cpu_timed else None)
         if device == "cuda":  # the caching allocator's retries and device calls so far (cumulative)
             stats = torch.cuda.memory_stats()
             summary["allocator_per_iteration"].append(

@@ -107,3 +107,7 @@ def test_a_mirror_sum_with_one_real_member_is_n_times_the_local_tensor_bit_for_b
         out = base.clone()
         policy.finish_reduction(out, dist.ReduceOp.SUM, n=n, r=1, gen_factory=None)
         assert torch.equal(out, base.clone().mul_(n))
+    # the cached factor is taken wherever the dtype holds n (all but bf16's 257), on the CPU
+    factor = policy._factors[(n, dtype)]
+    assert (factor is None) == (dtype is torch.bfloat16 and n == 257)
+    assert factor is None or (factor.device.type == "cpu" and factor.dim() == 0)

@@ -558,3 +558,15 @@ def test_gpu_waits_still_running_are_not_waited_for():
     assert clock.delays.count == 0 and len(clock._sleeps) == 3
     report = clock.delay_report()
     assert report["count"] == 3 and report["measured_s"] == pytest.approx(6e-3)
+
+
+def test_short_gpu_waits_do_not_re_rate_the_sleep():
+    """A sleep of a few microseconds is mostly launch and event spacing: it is accounted but does not
+    move the rate the long waits use."""
+    sm_hz = [2.0e9]
+    clock, asked = _fake_cuda_clock(sm_hz, [True], first_rate=2.0e9)
+    sm_hz[0] = 1.0e9  # what a short sleep's fixed cost would look like
+    for _ in range(20):
+        clock.delay(20e-6)
+    clock.delay(1e-3)
+    assert asked[-1] == 2_000_000 and clock.delay_report()["count"] == 21

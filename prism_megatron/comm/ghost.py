@@ -68,15 +68,18 @@ class GhostPolicy:
     def _times(self, out: torch.Tensor, n: int) -> None:
         """`out.mul_(n)`, bit for bit. A Python number is wrapped in a new 0-dim tensor at each call,
         which is more than half of a small multiply's host time (5.4 against 2.3 us on the 2-core VM);
-        a cached 0-dim tensor of `out`'s dtype is the same multiply where that dtype holds n exactly
-        (a CPU 0-dim tensor is a scalar argument on any device). FakeTensors keep the plain call."""
+        a cached 0-dim CPU tensor of `out`'s dtype is the same multiply where that dtype holds n
+        exactly: CPU and CUDA kernels read a CPU 0-dim operand as a scalar argument, in the same
+        compute type as the Python number (no copy, no sync). It is made on the CPU whatever the
+        default device (a `torch.device` context, DeepSpeed's zero.Init). FakeTensors keep the plain
+        call."""
         if type(out) is not torch.Tensor:
             out.mul_(n)
             return
         key = (n, out.dtype)
         factor = self._factors.get(key, _UNSET)
         if factor is _UNSET:
-            exact = torch.tensor(n, dtype=out.dtype)
+            exact = torch.tensor(n, dtype=out.dtype, device="cpu")
             factor = self._factors[key] = exact if exact.item() == n else None
         out.mul_(n if factor is None else factor)
 

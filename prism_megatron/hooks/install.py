@@ -140,9 +140,10 @@ class Installation:
             summary["comm"] = self.session.log.rows()
         # realtime or paced on a device clock: the injected waits as measured (a modelled clock of
         # fake execution has no measurement of them)
-        delays = getattr(self.recorder.clock, "delays", None) if self.recorder is not None else None
-        if delays is not None and delays.count:
-            summary["injected_waits"] = self.recorder.clock.delay_report()
+        report = getattr(self.recorder.clock, "delay_report", None) if self.recorder is not None else None
+        waits = report() if report is not None else None  # settles the sleeps still pending on GPU
+        if waits and waits["count"]:
+            summary["injected_waits"] = waits
         if path:
             atomic_write_text(per_rank_path(path, summary["virtual_rank"]), json.dumps(summary, indent=1))
         values = [x for x in summary.get("losses", []) + summary.get("grad_norms", []) if x is not None]

@@ -17,6 +17,9 @@ import numpy as np
 
 RATE_DECAY = 0.9
 """Weight per later sleep of what earlier ones measured, in the GPU's sleep-rate estimate."""
+RATE_MIN_S = 100e-6
+"""Sleeps shorter than this do not re-rate the GPU's sleep: a few microseconds of launch and event
+spacing per sleep would read as a slower clock and cut the long waits short."""
 
 
 class DelayAccount:
@@ -58,7 +61,7 @@ class CpuClock:
     def delay(self, seconds: float) -> None:
         """Hold this stream (the host thread) for `seconds` (realtime emulation's waits). A sleep
         overshoots by the kernel's timer slack and the wake-up (tens of microseconds, per wait); the
-        overshoot measured so far (a running mean) is taken off the next sleeps."""
+        overshoot measured so far (an exponential moving average) is taken off the next sleeps."""
         asked = max(0.0, seconds - self._overshoot_s)
         start = time.perf_counter()
         time.sleep(asked)
@@ -117,8 +120,10 @@ class CudaClock:
 
         The kernel spins for a number of SM clock cycles, and the SM clock moves with the device's
         power and thermal state (by several percent through a run). Each sleep is therefore timed by
-        a pair of events, and the sleeps that have completed (asked without blocking) set the rate the
-        next ones use: over a run the injected time tracks the planned one whatever the clock does."""
+        a pair of events, and the completed sleeps of at least RATE_MIN_S (asked without blocking) set
+        the rate the next ones use: over a run the injected time tracks the planned one, in sum,
+        whatever the clock does. The report compares sums: a few microseconds of fixed cost per
+        sleep are in the measured side of short waits."""
         if self._cycles_per_s is None:
             self._cycles_per_s = self._measure_sleep_rate()
             self.delays.rates.append(self._cycles_per_s)
@@ -138,9 +143,9 @@ class CudaClock:
                 end.synchronize()
             took = start.elapsed_time(end) * 1e-3
             self.delays.add(seconds, took)
-            self._rate_cycles = RATE_DECAY * self._rate_cycles + cycles
-            self._rate_s = RATE_DECAY * self._rate_s + took
-            if self._rate_s > 0:
+            if took >= RATE_MIN_S:
+                self._rate_cycles = RATE_DECAY * self._rate_cycles + cycles
+                self._rate_s = RATE_DECAY * self._rate_s + took
                 self._cycles_per_s = self._rate_cycles / self._rate_s
         if self.delays.rates and self._cycles_per_s != self.delays.rates[-1]:
             self.delays.rates[1:] = [self._cycles_per_s]
