@@ -522,7 +522,8 @@ def _fake_cuda_clock(sm_hz: list, done: list, first_rate: float):
 
     clock = CudaClock.__new__(CudaClock)
     clock._torch = type("FakeTorch", (), {"cuda": type("FakeCuda", (), {"_sleep": staticmethod(sleep)})})
-    clock._cycles_per_s, clock.delays, clock._sleeps = None, DelayAccount(), deque()
+    clock._cycles_per_s = clock._first_rate = None
+    clock.delays, clock._sleeps = DelayAccount(), deque()
     clock._rate_cycles = clock._rate_s = 0.0
     clock.mark = lambda: _FakeEvent(now, done)
     clock._measure_sleep_rate = lambda: first_rate

@@ -29,8 +29,6 @@ class DelayAccount:
         self.count = 0
         self.planned_s = 0.0
         self.measured_s = 0.0
-        self.rates: list[float] = []
-        """The device's sleep rate (cycles per second) as it was estimated, first and latest."""
 
     def add(self, planned_s: float, measured_s: float) -> None:
         self.count += 1
@@ -38,12 +36,9 @@ class DelayAccount:
         self.measured_s += measured_s
 
     def report(self) -> dict:
-        """{"count", "planned_s", "measured_s", "error_pct"} (and on GPU the sleep rates)."""
-        out = {"count": self.count, "planned_s": self.planned_s, "measured_s": self.measured_s,
-               "error_pct": (self.measured_s / self.planned_s - 1) * 100 if self.planned_s > 0 else None}
-        if self.rates:
-            out["cycles_per_s_first"], out["cycles_per_s_last"] = self.rates[0], self.rates[-1]
-        return out
+        """{"count", "planned_s", "measured_s", "error_pct"}."""
+        return {"count": self.count, "planned_s": self.planned_s, "measured_s": self.measured_s,
+                "error_pct": (self.measured_s / self.planned_s - 1) * 100 if self.planned_s > 0 else None}
 
 
 class CpuClock:
@@ -95,7 +90,7 @@ class CudaClock:
         self._current = getattr(torch._C, "_cuda_getCurrentStream", None)
         self._event = getattr(torch._C, "_CudaEventBase", None)
         self._streams: dict[int, Any] = {}
-        self._cycles_per_s = None
+        self._cycles_per_s = self._first_rate = None
         self.delays = DelayAccount()
         self._sleeps: deque = deque()  # (start event, end event, cycles, planned seconds), in order
         self._rate_cycles = self._rate_s = 0.0
@@ -125,8 +120,7 @@ class CudaClock:
         whatever the clock does. The report compares sums: a few microseconds of fixed cost per
         sleep are in the measured side of short waits."""
         if self._cycles_per_s is None:
-            self._cycles_per_s = self._measure_sleep_rate()
-            self.delays.rates.append(self._cycles_per_s)
+            self._cycles_per_s = self._first_rate = self._measure_sleep_rate()
         self._settle()
         cycles = max(1, round(seconds * self._cycles_per_s))
         start = self.mark()
@@ -147,12 +141,14 @@ class CudaClock:
                 self._rate_cycles = RATE_DECAY * self._rate_cycles + cycles
                 self._rate_s = RATE_DECAY * self._rate_s + took
                 self._cycles_per_s = self._rate_cycles / self._rate_s
-        if self.delays.rates and self._cycles_per_s != self.delays.rates[-1]:
-            self.delays.rates[1:] = [self._cycles_per_s]
 
     def delay_report(self) -> dict:
+        """The DelayAccount's report, with the sleep rate (cycles per second) first and last."""
         self._settle(block=True)
-        return self.delays.report()
+        out = self.delays.report()
+        if self._cycles_per_s is not None:
+            out["cycles_per_s_first"], out["cycles_per_s_last"] = self._first_rate, self._cycles_per_s
+        return out
 
     def _measure_sleep_rate(self) -> float:
         cuda = self._torch.cuda
