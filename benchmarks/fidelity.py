@@ -15,8 +15,9 @@ device synchronize); the real figure is the median of the runs, the spread (max 
 config routed by an imbalance model whose loads differ per iteration (uniform draws, a replayed log,
 drift) compares the slowest rank's time in the iteration the emulation timed (same loads) instead.
 Emulated: the DES iteration time of the job with the sandbox's recorded iteration in its rank's place
-(on GPU measured paced: emulate/run.py). `--realtime`: the last emulation of a config also runs with
-the computed waits injected, and its wall clock is reported against the virtual figure.
+(on GPU measured paced: emulate/run.py). `--realtime`: every emulation also runs with its
+communication held as the replay says (emulate/holds.py), and its wall clock is reported against the
+virtual figure and against the replay of that run's own compute, per repetition and as medians.
 
 `--diagnose` splits a config's error in two: it also runs the job with every rank a sandbox (N
 processes, real communication, the recorder on) and replays that. Its replay against the real time is
@@ -160,7 +161,7 @@ def measure(name: str, config: Path, world: int, sandbox: list[str], args, tmp: 
             allocators.append(allocator)
             for rank, peak in rank_peaks.items():
                 peaks.setdefault(rank, []).append(peak)
-        clock = "realtime" if args.realtime and rep == args.reps - 1 else "virtual"
+        clock = "realtime" if args.realtime else "virtual"
         for spec in sandbox:
             emus[spec].append(emulated_run(graph_path, [spec], args.device, tmp / f"{name}-{spec}-emu{rep}",
                                            cluster, calibration, clock))
@@ -239,13 +240,17 @@ def _row(label: str, world: int, spec: str, emus: list[dict], real_all: list[flo
     realtime = [e["sandbox"][0] for e in emus if "realtime_iteration_s" in e["sandbox"][0]]
     note = ""
     if realtime:
-        rt = realtime[0]
-        row.update(realtime_vs_virtual_pct=rt["realtime_vs_virtual_pct"],
-                   realtime_replay_iter_s=rt["realtime_replay_iteration_s"],
-                   realtime_replay_err_pct=(rt["realtime_replay_iteration_s"] / real_s - 1) * 100)
-        note = (f"  realtime wall {rt['realtime_vs_virtual_pct']:+.2f}% of virtual; replayed with "
-                f"its compute {rt['realtime_replay_iteration_s'] * 1e3:.2f} ms "
-                f"({row['realtime_replay_err_pct']:+.2f}%)")
+        vs_virtual = [rt["realtime_vs_virtual_pct"] for rt in realtime]
+        vs_replay = [rt["realtime_vs_replay_pct"] for rt in realtime]
+        replays = [rt["realtime_replay_iteration_s"] for rt in realtime]
+        row.update(realtime_vs_virtual_pct=statistics.median(vs_virtual), realtime_vs_virtual_runs=vs_virtual,
+                   realtime_vs_replay_pct=statistics.median(vs_replay), realtime_vs_replay_runs=vs_replay,
+                   realtime_iter_s_runs=[rt["realtime_iteration_s"] for rt in realtime],
+                   realtime_replay_iter_s=statistics.median(replays),
+                   realtime_replay_err_pct=(statistics.median(replays) / real_s - 1) * 100,
+                   realtime_holds=[rt.get("realtime_injected_waits") for rt in realtime])
+        note = (f"  realtime wall against virtual {' '.join(f'{x:+.2f}' for x in vs_virtual)} %, against "
+                f"the replay of its own compute {' '.join(f'{x:+.2f}' for x in vs_replay)} %")
     if "diagnosis" in emus[0]:
         row["diagnosis"] = d = emus[0]["diagnosis"]
         note += (f"\n    all ranks sandboxes: replay {d['all_sandbox_replay_s'] * 1e3:.2f} ms "

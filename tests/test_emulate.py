@@ -58,35 +58,6 @@ def test_run_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_waits_hold_a_synchronous_operation_at_its_issue_and_an_overlapped_one_at_its_wait():
-    """The realtime plan: a synchronous all-reduce holds the stream from its issue until the replay
-    ends it; an asynchronous reduce-scatter overlaps the next compute and stalls the stream at its wait
-    only by what is left of it."""
-    import numpy as np
-
-    from prism_megatron.emulate.run import waits
-    from prism_megatron.graph.model import RoleGraphBuilder, StringTable
-    from prism_megatron.world import Role
-
-    b = RoleGraphBuilder(Role(pp=0, tp=0, cp=0, ep=0, etp=0), 0, StringTable())
-    kw = dict(dtype="bfloat16", seq=0, start_s=0.0)
-    a = b.compute("a", stream="compute", start_s=0.0, duration_s=1.0)
-    sync = b.comm("all_reduce", dim="tp", nbytes=8, stream="comm.tp", duration_s=0.1, deps=[a], **kw)
-    c = b.compute("c", stream="compute", start_s=0.0, duration_s=1.0, deps=[a, sync])
-    late = b.comm("reduce_scatter", dim="dp", nbytes=8, stream="comm.dp", duration_s=0.1, deps=[c], **kw)
-    d = b.compute("d", stream="compute", start_s=0.0, duration_s=1.0, deps=[c])
-    e = b.compute("e", stream="compute", start_s=0.0, duration_s=1.0, deps=[d, late])
-    g = b.build()
-    # replay: a 0-1; all-reduce 1-1.5 (issue at 1); c 1.5-2.5; reduce-scatter 2.5-4.0 overlapping
-    # d 2.5-3.5; e waits for it: starts at 4.0
-    post = np.array([0.0, 1.0, 1.5, 2.5, 2.5, 4.0])
-    fin = np.array([1.0, 1.5, 2.5, 4.0, 3.5, 5.0])
-    at_issue, at_wait = waits(g, post, fin)
-    assert at_issue == pytest.approx([0.4, 0.0])  # 0.5 s held, less the call's own 0.1 s
-    assert at_wait == pytest.approx([0.0, 0.5])   # ends 0.5 s after d, which e also waits for
-    assert (sync, late, e) == (1, 3, 5)
-
-
 def test_validate_is_the_fidelity_harness():
     proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "validate", "--list"],
                           capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)

@@ -10,24 +10,35 @@ from prism_megatron.graph import StringTable, load_graph, save_graph
 from prism_megatron.graph.chakra import NODE_TYPES, chakra_messages, decode, encode, write_chakra
 from prism_megatron.graph.model import NO_PEER, NodeKind, structure_hash
 from prism_megatron.graph.synthetic import synthetic_graph
+from prism_megatron.emulate.holds import START, Hold
+from prism_megatron.trace.clock import DelayAccount, HostHolds
 from prism_megatron.trace.recorder import Recorder, RecorderError
 from prism_megatron.world import Role, VirtualWorld
 
 
-class FakeClock:
-    """Each mark advances 1 ms, so durations count the marks a segment spans."""
+class FakeClock(HostHolds):
+    """Each mark advances 1 ms, so durations count the marks a segment spans; a hold moves the time
+    to its end."""
 
     kind = "fake"
 
     def __init__(self) -> None:
         self.t = 0.0
+        self.delays = DelayAccount()
+        self.held_until: list[float] = []
 
     def mark(self) -> float:
         self.t += 1e-3
         return self.t
 
-    def delay(self, seconds: float) -> None:
-        self.t += seconds
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, goal: float) -> None:
+        self.held_until.append(max(goal, self.t))
+        if goal > self.t:
+            self.delays.add(goal - self.t, goal - self.t)
+            self.t = goal
 
     def stream(self) -> str:
         return "compute"
@@ -97,7 +108,7 @@ def test_a_real_peers_transfer_after_the_return_belongs_to_no_node(real_peer):
     work = _comm(rec, real_peer=real_peer)
     entry = rec.wait_begin(work)
     if real_peer:
-        clock.delay(0.050)  # the transfer with the other sandbox
+        clock.t += 0.050  # the transfer with the other sandbox
     rec.wait_end(entry)
     rec.exit()
     g, names, _ = _built(rec)
@@ -318,7 +329,7 @@ def _layer_iteration(rec, comm_group="tp0", mlp_extra_s=0.0):
     rec.enter("decoder.layers.0.self_attention")
     rec.exit()
     rec.enter("decoder.layers.0.mlp")
-    rec.clock.delay(mlp_extra_s)
+    rec.clock.t += mlp_extra_s
     rec.wait_end(rec.wait_begin(_comm(rec, group=comm_group)))
     rec.exit()
     rec.span_end()
@@ -372,25 +383,53 @@ def test_two_pass_falls_back_to_one_pass_when_the_programs_differ():
     assert rec.built["labelled_iteration"] == 2 and rec.built["timing"] == "single-pass"
 
 
-def test_injected_waits_belong_to_no_node_at_the_issue_or_at_the_wait():
-    rec = Recorder(FakeClock(), lambda: 0)
-    rec.inject_delays([0.5, 0.0], at_wait=[0.0, 0.25])
+def test_holds_belong_to_no_node_at_the_issue_or_at_the_wait():
+    """A synchronous operation is held at its issue; an overlapped one gets its end planned at its
+    issue and is held where it is waited for, by what is left of it. Neither hold is a node."""
+    clock = FakeClock()
+    rec = Recorder(clock, lambda: 0)
+    rec.inject_holds([Hold(0.5, (), False), Hold(0.25, (), True)])
     rec.begin_iteration()
     rec.enter("attention")
     rec.wait_end(rec.wait_begin(_comm(rec, group="tp0")))  # synchronous: held at its issue
-    work = _comm(rec, dim="dp", group="dp0")               # asynchronous: held where it is waited
+    work = _comm(rec, dim="dp", group="dp0")               # overlapped
+    planned_end = clock.t - 1e-3 + 0.25  # its issue mark, plus its hold
     rec.enter("overlapped")
     rec.exit()
+    waited_at = clock.t
     rec.wait_end(rec.wait_begin(work))
     rec.exit()
     g, names, _ = _built(rec)
     cols = g.columns
     end = float((cols["start_s"] + cols["duration_s"]).max())
-    # both waits are gaps (with the fake clock's 1 ms step of the mark that ends each)
-    assert float(cols["duration_s"].sum()) == pytest.approx(end - 0.75 - 2e-3)
+    # the two holds are gaps: the synchronous one whole, the overlapped one less what ran meanwhile
+    gaps = 0.5 + (planned_end - waited_at)
+    assert float(cols["duration_s"].sum()) == pytest.approx(end - gaps - 2e-3)
     sync = names.index("all_reduce")
     assert cols["duration_s"][sync] == pytest.approx(1e-3)  # the call itself
     assert cols["start_s"][sync + 1] == pytest.approx(cols["start_s"][sync] + 1e-3 + 0.5 + 1e-3)
+    assert clock.delay_report()["count"] == 2
+
+
+def test_a_hold_ends_when_the_later_of_the_sandbox_and_its_ghosts_arrives():
+    """Closed loop: ghosts that arrive 0.3 s after the iteration's start hold an early sandbox until
+    then (plus the transfer), and not a late one; a chain anchored on the sandbox's first operation
+    moves with that operation's end, as real peers would."""
+    for late in (0.0, 0.5):
+        clock = FakeClock()
+        rec = Recorder(clock, lambda: 0)
+        rec.inject_holds([Hold(0.01, ((START, 0.31),), False), Hold(0.01, ((0, 0.2),), False)])
+        rec.begin_iteration()
+        start = clock.t
+        clock.t += late  # the sandbox's compute before its first operation
+        rec.wait_end(rec.wait_begin(_comm(rec, group="tp0")))
+        # issued after two marks (the segment's cut and the issue)
+        assert clock.held_until[-1] == pytest.approx(max(start + late + 2e-3 + 0.01, start + 0.31))
+        first_end = clock.held_until[-1]
+        issued = clock.t + 2e-3
+        rec.wait_end(rec.wait_begin(_comm(rec, group="tp0")))
+        assert clock.held_until[-1] == pytest.approx(max(issued + 0.01, first_end + 0.2))
+    assert clock.delay_report()["count"] == 2
 
 
 def test_median_selection_takes_the_steady_timed_iteration_of_median_length():
@@ -438,8 +477,9 @@ def test_a_coalesced_work_covers_every_operation_it_ran():
     """torch's _coalescing_manager (megatron's bucketed grad reduce-scatter): several operations, one
     Work. Waiting for it makes the next segment depend on all of them, and each keeps its own ordinal
     for injected waits."""
-    rec = Recorder(FakeClock(), lambda: 0)
-    rec.inject_delays([0.0, 0.0, 0.0], at_wait=[0.25, 0.5, 0.0])
+    clock = FakeClock()
+    rec = Recorder(clock, lambda: 0)
+    rec.inject_holds([Hold(0.25, (), True), Hold(0.5, (), True), None])
     rec.begin_iteration()
     rec.enter("backward")
     for group in ("dp0", "dp0"):
@@ -447,8 +487,10 @@ def test_a_coalesced_work_covers_every_operation_it_ran():
                        peer_delta=None)
     work = FakeWork()
     rec.comm_issued(work)
+    planned_end = clock.t + 0.5  # the later of the two, from their issue
     rec.enter("more.backward")  # overlapped
     rec.exit()
+    waited_at = clock.t
     rec.wait_end(rec.wait_begin(work))
     rec.exit()
     rec.enter("optimizer.step")
@@ -462,10 +504,11 @@ def test_a_coalesced_work_covers_every_operation_it_ran():
     assert waiting[0] > names.index("more.backward")  # the segment after the wait, not the overlap
     cols = g.columns
     end = float((cols["start_s"] + cols["duration_s"]).max())
-    assert float(cols["duration_s"].sum()) == pytest.approx(end - 0.75 - 1e-3)  # both stalls, one gap
+    # one stall, from the wait's mark until the later of the two ends, then the mark that ends it
+    assert float(cols["duration_s"].sum()) == pytest.approx(end - (planned_end - (waited_at + 1e-3)) - 1e-3)
 
 
-def test_cpu_waits_take_the_measured_oversleep_off_the_next_ones(monkeypatch):
+def test_cpu_holds_take_the_measured_oversleep_off_the_next_ones(monkeypatch):
     """A sleep overshoots (timer slack, wake-up); the clock asks the next sleeps for less by what it
     measured, and reports what was planned against what was measured."""
     from prism_megatron.trace import clock as clock_module
@@ -480,8 +523,10 @@ def test_cpu_waits_take_the_measured_oversleep_off_the_next_ones(monkeypatch):
     monkeypatch.setattr(clock_module.time, "sleep", sleep)
     monkeypatch.setattr(clock_module.time, "perf_counter", lambda: now[0])
     clock = clock_module.CpuClock()
+    clock.set_holds([(1e-3, ())])
     for _ in range(40):
-        clock.delay(1e-3)
+        clock.hold_iteration()
+        clock.hold([0], spin=True)
     report = clock.delay_report()
     assert report["count"] == 40 and report["planned_s"] == pytest.approx(40e-3)
     assert asked[0] == pytest.approx(1e-3) and asked[-1] == pytest.approx(0.8e-3, rel=1e-3)
@@ -491,83 +536,16 @@ def test_cpu_waits_take_the_measured_oversleep_off_the_next_ones(monkeypatch):
     assert 0 < report["error_pct"] < 5
 
 
-class _FakeEvent:
-    """A CUDA event on a fake device timeline: its time is `now` when recorded."""
+def test_hold_book_plans_the_later_of_own_and_ghost_ends():
+    from prism_megatron.trace.clock import HoldBook
 
-    def __init__(self, now: list, done: list) -> None:
-        self.t, self.done = now[0], done
-
-    def query(self) -> bool:
-        return self.done[0]
-
-    def synchronize(self) -> None:
-        self.done[0] = True
-
-    def elapsed_time(self, end) -> float:
-        return (end.t - self.t) * 1e3
-
-
-def _fake_cuda_clock(sm_hz: list, done: list, first_rate: float):
-    """A CudaClock whose sleeps advance a fake device timeline by cycles / sm_hz[0] (no device here:
-    only the parts the delay path uses); returns it and the cycles each sleep asked for."""
-    from collections import deque
-
-    from prism_megatron.trace.clock import CudaClock, DelayAccount
-
-    now, asked = [0.0], []
-
-    def sleep(cycles):
-        asked.append(cycles)
-        now[0] += cycles / sm_hz[0]
-
-    clock = CudaClock.__new__(CudaClock)
-    clock._torch = type("FakeTorch", (), {"cuda": type("FakeCuda", (), {"_sleep": staticmethod(sleep)})})
-    clock._cycles_per_s = clock._first_rate = None
-    clock.delays, clock._sleeps = DelayAccount(), deque()
-    clock._rate_cycles = clock._rate_s = 0.0
-    clock.mark = lambda: _FakeEvent(now, done)
-    clock._measure_sleep_rate = lambda: first_rate
-    return clock, asked
-
-
-def test_gpu_waits_follow_the_sm_clock_measured_on_the_completed_sleeps():
-    """torch.cuda._sleep spins for cycles; when the SM clock drops 10 %, the completed sleeps (asked
-    without blocking) make the next sleeps shorter in cycles, so the injected time stays as planned."""
-    sm_hz = [2.0e9]
-    clock, asked = _fake_cuda_clock(sm_hz, [True], first_rate=2.0e9)
-    for _ in range(5):
-        clock.delay(1e-3)
-    assert asked[-1] == 2_000_000
-    sm_hz[0] = 1.8e9  # power or thermal limit: the clock drops
-    for _ in range(30):
-        clock.delay(1e-3)
-    assert asked[-1] == pytest.approx(1_800_000, rel=5e-3)
-    report = clock.delay_report()
-    assert report["count"] == 35 and report["planned_s"] == pytest.approx(35e-3)
-    assert report["cycles_per_s_first"] == 2.0e9
-    assert report["cycles_per_s_last"] == pytest.approx(1.8e9, rel=5e-3)
-    # the sleeps right after the drop ran up to 11 % long, until the estimate followed
-    assert 0 < report["error_pct"] < 2
-
-
-def test_gpu_waits_still_running_are_not_waited_for():
-    """Only completed sleeps are accounted while the run goes on (the host never blocks for them);
-    the report, at the end, waits for the rest."""
-    clock, _ = _fake_cuda_clock([1e9], [False], first_rate=1e9)
-    for _ in range(3):
-        clock.delay(2e-3)
-    assert clock.delays.count == 0 and len(clock._sleeps) == 3
-    report = clock.delay_report()
-    assert report["count"] == 3 and report["measured_s"] == pytest.approx(6e-3)
-
-
-def test_short_gpu_waits_do_not_re_rate_the_sleep():
-    """A sleep of a few microseconds is mostly launch and event spacing: it is accounted but does not
-    move the rate the long waits use."""
-    sm_hz = [2.0e9]
-    clock, asked = _fake_cuda_clock(sm_hz, [True], first_rate=2.0e9)
-    sm_hz[0] = 1.0e9  # what a short sleep's fixed cost would look like
-    for _ in range(20):
-        clock.delay(20e-6)
-    clock.delay(1e-3)
-    assert asked[-1] == 2_000_000 and clock.delay_report()["count"] == 21
+    book = HoldBook([(0.1, ((START, 1.0),)), (0.1, ((0, 0.5),)), (0.2, ()), (0.0, ((1, 0.3), (START, 2.0)))])
+    book.begin(10.0)
+    assert book.plan([0], 10.2) == pytest.approx(11.0)   # ghosts 1 s after the start
+    assert book.plan([1], 12.0) == pytest.approx(12.1)   # the sandbox late: its own end
+    assert book.plan([2], 12.5) == pytest.approx(12.7)   # no ghost
+    assert book.plan([3], 12.0) == pytest.approx(12.4)   # anchored on operation 1's end
+    assert book.plan([3], 11.0) == pytest.approx(12.4)   # (the later of two paths: 12.0 from the start)
+    assert book.goal([0, 1, 2]) == pytest.approx(12.7)
+    book.begin(20.0)
+    assert book.plan([1], 20.0) == pytest.approx(20.1)   # a new iteration: op 0 not planned yet

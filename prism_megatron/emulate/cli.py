@@ -104,11 +104,12 @@ def _print(s: dict) -> None:
               f"allocated {row['peak_allocated_bytes'] / 2**20:.2f} MiB, reserved "
               f"{row['peak_reserved_bytes'] / 2**20:.2f} MiB")
         if "realtime_iteration_s" in row:
-            print(f"    realtime: measured {row['realtime_iteration_s'] * 1e3:.3f} ms with the waits "
-                  f"injected ({row['realtime_vs_virtual_pct']:+.2f}% against the virtual figure)")
+            print(f"    realtime: measured {row['realtime_iteration_s'] * 1e3:.3f} ms with the holds "
+                  f"({row['realtime_vs_virtual_pct']:+.2f}% against the virtual figure, "
+                  f"{row['realtime_vs_replay_pct']:+.2f}% against the replay of this run's own compute)")
             waits = row.get("realtime_injected_waits")
             if waits and waits.get("error_pct") is not None:
-                print(f"    waits injected: {waits['count']} for {waits['planned_s'] * 1e3:.3f} ms planned, "
+                print(f"    holds that waited: {waits['count']}, asked {waits['planned_s'] * 1e3:.3f} ms, "
                       f"{waits['error_pct']:+.2f}% as measured")
         if row.get("overhead_ratio") is not None:
             print(f"    emulator overhead: backend {row['backend_host_s_per_iteration'] * 1e3:.2f} "

@@ -30,6 +30,7 @@ import yaml
 
 from prism_megatron.capture.run import REPO, script_for
 from prism_megatron.config.schema import ConfigError
+from prism_megatron.emulate.holds import Hold, holds, write_plan
 from prism_megatron.emulate.sandbox import direct_peers, resolve_sandbox
 from prism_megatron.graph import load_graph
 from prism_megatron.graph.check import GraphFileError
@@ -37,6 +38,7 @@ from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable
 from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
+from prism_megatron.trace import cuda_hold
 from prism_megatron.util import atomic_write_text, free_port, job_env
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
@@ -93,16 +95,20 @@ class Emulation:
         ranks = resolve_sandbox(self.sandbox, graph, times)
         text = str(graph.meta.get("config", ""))
         device = self.device or _device_of(text)
-        paced = self.pace if self.pace is not None else device == "cuda"
+        paced = self.pace if self.pace is not None else (device == "cuda" and cuda_hold.available())
+        if device == "cuda" and (paced or self.clock == "realtime") and not cuda_hold.available():
+            raise ConfigError("pacing and the realtime clock on GPU hold the stream with a Triton kernel: "
+                              "pip install triton, or run with --pace off and --clock virtual")
         job = text = _with_faults(text, self.faults)
-        if paced:  # the ghost-only replay's waits: what a collective of this rank lasts at scale
-            first = self._simulator(graph, cost, []).run(tuple(ranks))
-            job = _with_delays(text, {r: waits(graph.roles[graph.world.role(r)], *first.timelines[r])
-                                      for r in ranks}, out / "pace_plan.json")
+        if paced:  # the ghost-only replay's holds: what a collective of this rank lasts at scale
+            first = self._simulator(graph, cost, []).run(causes=True)
+            job = _with_holds(text, {r: holds(first, r, graph.roles[graph.world.role(r)]) for r in ranks},
+                              out / "pace_plan.json")
         measured = self._run_sandbox(job, ranks, out / "sandbox")
         merged, rank_graphs = _with_sandbox(graph, measured)
         sim = self._simulator(merged, cost, ranks, rank_graphs=rank_graphs)
-        result = sim.run(tuple(sorted({*(self.trace_ranks or ranks), *ranks})))
+        result = sim.run(tuple(sorted({*(self.trace_ranks or ranks), *ranks})),
+                         causes=self.clock == "realtime")
         world = graph.world
         figures = job_figures(result.iteration_s, world.world_size, str(graph.meta.get("config", "")),
                               self.cluster)
@@ -154,13 +160,13 @@ class Emulation:
 
     def _realtime(self, text: str, ranks: list[int], out: Path, result, rank_graphs: dict,
                   summary: dict) -> None:
-        """Run the sandboxes again with the replay's waits injected; report their wall-clock time,
-        and the replay of the job with the compute they recorded under that duty cycle (a device fed
-        by a host that could run ahead during the waits, as a real rank's host does during its
-        collectives; the replay ignores the recorded length of a communication node, so the injected
-        waits are not counted twice)."""
-        job = _with_delays(text, {r: waits(rank_graphs[r], *result.timelines[r]) for r in ranks},
-                           out / "delay_plan.json")
+        """Run the sandboxes again, each communication held as the replay says (emulate/holds.py:
+        closed-loop, so a sandbox that runs early or late meets its ghosts where real peers would);
+        report their wall-clock time, and the replay of the job with the compute they recorded under
+        that duty cycle (a device fed by a host that could run ahead during the holds, as a real
+        rank's host does during its collectives; the replay ignores the recorded length of a
+        communication node, so the holds are not counted twice)."""
+        job = _with_holds(text, {r: holds(result, r, rank_graphs[r]) for r in ranks}, out / "delay_plan.json")
         measured = self._run_sandbox(job, ranks, out / "realtime")
         graph = load_graph(self.graph_path)
         merged, again = _with_sandbox(graph, measured)
@@ -176,6 +182,8 @@ class Emulation:
             row["realtime_iteration_s"] = wall
             row["realtime_vs_virtual_pct"] = (wall / row["iteration_time_s"] - 1) * 100
             row["realtime_replay_iteration_s"] = float(times[r])
+            # the holds' own check: the wall against the replay of this run's own compute
+            row["realtime_vs_replay_pct"] = (wall / float(times[r]) - 1) * 100
             row["realtime_injected_waits"] = run.get("injected_waits")
             # the sandbox's compute at the production duty cycle against its compute in the first run
             # (clocks, power and thermal state differ): a measured fault profile for the replay
@@ -251,48 +259,13 @@ def _with_faults(config_yaml: str, faults: Optional[str]) -> str:
     return yaml.safe_dump(job, sort_keys=False)
 
 
-def _with_delays(config_yaml: str, plans: dict[int, tuple[list[float], list[float]]], path: Path) -> str:
-    """The job config with these per-rank waits (`waits()`) injected (clock=realtime); the plan goes
-    to `path`."""
-    atomic_write_text(str(path), json.dumps({
-        "delays_s": {str(r): issue for r, (issue, _) in plans.items()},
-        "wait_delays_s": {str(r): wait for r, (_, wait) in plans.items()}}))
+def _with_holds(config_yaml: str, plans: dict[int, list[Optional[Hold]]], path: Path) -> str:
+    """The job config with these per-rank holds (emulate/holds.py) injected (clock=realtime); the
+    plan goes to `path`."""
+    write_plan(path, plans)
     job = yaml.safe_load(config_yaml)
     job["emulation"].update(clock="realtime", delay_plan=str(path))
     return yaml.safe_dump(job, sort_keys=False)
-
-
-def waits(g: RoleGraph, post: np.ndarray, fin: np.ndarray) -> tuple[list[float], list[float]]:
-    """Per communication node of `g` in program order, how long the replay holds the issuing stream
-    beyond the sandbox's own call: (at its issue, where it is waited for), each >= 0.
-
-    A synchronous operation (the next compute node of the stream is the first to depend on it) holds
-    the stream from its issue: the wait for ghost peers plus the modelled transfer. An asynchronous
-    one overlaps what runs until its wait; the stream stalls there only as long as the operation ends
-    after everything else the waiting node depends on."""
-    cols = g.columns
-    kind, duration = cols["kind"], cols["duration_s"]
-    comm = np.nonzero(kind != 0)[0].tolist()
-    waiter: dict[int, int] = {}
-    for j in np.nonzero(kind == 0)[0].tolist():
-        for d in g.dep_idx[g.dep_ptr[j]:g.dep_ptr[j + 1]].tolist():
-            if kind[d] != 0 and d not in waiter:
-                waiter[d] = j
-    compute = np.nonzero(kind == 0)[0]
-    at_issue, at_wait = [], []
-    for i in comm:
-        deps = g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]].tolist()
-        ready = float(max((fin[d] for d in deps), default=post[i]))
-        j = waiter.get(i)
-        pos = int(np.searchsorted(compute, i, side="right"))
-        if j is None or (pos < len(compute) and j == int(compute[pos])):
-            at_issue.append(max(0.0, float(fin[i]) - ready - float(duration[i])))
-            at_wait.append(0.0)
-            continue
-        others = [fin[d] for d in g.dep_idx[g.dep_ptr[j]:g.dep_ptr[j + 1]].tolist() if d != i]
-        at_issue.append(0.0)
-        at_wait.append(max(0.0, float(fin[i]) - float(max(others, default=post[j]))))
-    return at_issue, at_wait
 
 
 def _with_sandbox(graph: ExecutionGraph, measured: dict) -> tuple[ExecutionGraph, dict[int, RoleGraph]]:

@@ -138,10 +138,10 @@ class Installation:
             summary["execution"] = fake_summary(self)
         if self.session is not None:
             summary["comm"] = self.session.log.rows()
-        # realtime or paced on a device clock: the injected waits as measured (a modelled clock of
-        # fake execution has no measurement of them)
+        # realtime or paced on a device clock: the holds as measured (a modelled clock of fake
+        # execution has no measurement of them, and counts none)
         report = getattr(self.recorder.clock, "delay_report", None) if self.recorder is not None else None
-        waits = report() if report is not None else None  # settles the sleeps still pending on GPU
+        waits = report() if report is not None else None
         if waits and waits["count"]:
             summary["injected_waits"] = waits
         if path:
@@ -232,7 +232,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         if inst.recorder is not None:
             connect_comm(inst.recorder, session)
             if cfg.emulation.clock == "realtime":
-                inst.recorder.inject_delays(*_delays_of(cfg.emulation.delay_plan, session.virtual_rank))
+                inst.recorder.inject_holds(_holds_of(cfg.emulation.delay_plan, session.virtual_rank))
 
     def session_of() -> Optional[VirtualSession]:
         return inst.session
@@ -359,16 +359,16 @@ def _microbatches(cfg: PrismConfig):
     return count
 
 
-def _delays_of(path: Optional[str], rank: int) -> tuple[list[float], list[float]]:
-    """This rank's waits per communication operation of an iteration, from a delay plan file: held
-    at each operation's issue, and where it is waited for."""
+def _holds_of(path: Optional[str], rank: int) -> list:
+    """This rank's holds per communication operation of an iteration, from a delay plan file
+    (emulate/holds.py)."""
+    from prism_megatron.emulate.holds import read_plan
+
     try:
-        plan = json.loads(Path(str(path)).read_text())
-        at_wait = plan.get("wait_delays_s", {}).get(str(rank), [])
-        return [float(x) for x in plan["delays_s"][str(rank)]], [float(x) for x in at_wait]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ConfigError(f"emulation.delay_plan={path}: no waits for virtual rank {rank} ({err}); write "
-                          "the plan with `prism-megatron emulate --clock realtime`") from None
+        return read_plan(str(path), rank)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise ConfigError(f"emulation.delay_plan={path}: no holds for virtual rank {rank} ({err}); "
+                          "write the plan with `prism-megatron emulate --clock realtime`") from None
 
 
 def _cuda_allocated_bytes():

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from prism_megatron.kernels.model import KernelCostModel
 from prism_megatron.kernels.signature import OpCall
 from prism_megatron.runtime.patching import PatchSet
+from prism_megatron.trace.clock import DelayAccount, HostHolds
 
 __all__ = ["CostClock", "FakeExecution", "ScalarModel", "is_fake"]
 
@@ -223,13 +224,14 @@ class _FakeMode(TorchDispatchMode):
         return self.model.scalar(tensor)
 
 
-class CostClock:
+class CostClock(HostHolds):
     """The recorder's clock under fake execution: modelled host and device time (module docstring)."""
 
     kind = "model"
 
     def __init__(self, model: KernelCostModel, keep_ops: bool = False, allocator: Any = None) -> None:
         self.model = model
+        self.delays = DelayAccount()  # holds are modelled, not measured: none is counted
         self.allocator = allocator
         """The AllocatorModel that also takes each op's scratch (borrowed and returned inside it)."""
         self.scratch_ops = 0
@@ -284,8 +286,12 @@ class CostClock:
     def sync(self, *args: Any, **kwargs: Any) -> None:
         self.host_s = max(self.host_s, self.device_s)
 
-    def delay(self, seconds: float) -> None:
-        self.device_s = max(self.host_s, self.device_s) + seconds
+    def now(self) -> float:
+        return max(self.host_s, self.device_s)
+
+    def wait_until(self, goal: float) -> None:
+        """A hold (trace/clock.py HostHolds) keeps the device busy until `goal`."""
+        self.device_s = max(self.device_s, goal)
 
     def stream(self) -> str:
         return "compute"

@@ -96,6 +96,27 @@ class ClassResult:
 
 
 @dataclass
+class ReplayCauses:
+    """Per class (lists by node): `fin[c][i]` when node i ended and `why[c][i]` the (class, node)
+    whose end made it ready (None: nothing did); `keys[(c, i)]` the operation a communication node
+    took part in, and `ops[key] = (start, end, arrivals)`, with an arrival (class, ready, node, cause)
+    per member class (a collective) or side (p2p); `offset[c]` when the class began; `deps[c][i]`
+    node i's dependencies, `p2p[c][i]` and `streams[c][i]` whether it is p2p and its stream (p2p of
+    one stream wait only for each other's posting), `compute_s[c][i]` its compute time as replayed
+    (0 for communication)."""
+
+    fin: list
+    why: list
+    keys: dict
+    ops: dict
+    offset: list
+    deps: list
+    p2p: list
+    streams: list
+    compute_s: list
+
+
+@dataclass
 class SimResult:
     iteration_s: float
     classes: list[ClassResult]
@@ -107,6 +128,8 @@ class SimResult:
     """Replays until bandwidth sharing reached its fixed point (sim/sharing.py)."""
     shared_ops: int = 0
     """Operations slowed by a concurrent transfer on one of their ranks' links."""
+    causes: Optional[ReplayCauses] = None
+    """Who waited for whom (`run(causes=True)`): realtime emulation's holds are made of it."""
 
     def rank_times(self) -> np.ndarray:
         """Per rank, one iteration from the common start (or its own `start_s`) to its last node."""
@@ -198,7 +221,9 @@ class Simulator:
 
     # -- the replay ----------------------------------------------------------------------------
 
-    def run(self, keep_timelines: tuple[int, ...] = ()) -> SimResult:
+    def run(self, keep_timelines: tuple[int, ...] = (), causes: bool = False) -> SimResult:
+        """Replay one iteration; `keep_timelines`: ranks whose (post, fin) per node are kept;
+        `causes`: keep who waited for whom (`SimResult.causes`)."""
         start_wall = time.perf_counter()
         class_of_rank = self._classes()
         n_classes = int(class_of_rank.max()) + 1
@@ -214,7 +239,8 @@ class Simulator:
             plan.append(prepared[id(g.dep_ptr)])
         extra: dict = {}
         for passes in range(1, MAX_SHARING_PASSES + 1):
-            post, fin, why, flows = self._replay(class_of_rank, reps, plan, extra)
+            record = ({}, {}) if causes else None
+            post, fin, why, flows = self._replay(class_of_rank, reps, plan, extra, record)
             if not self.share_bandwidth:
                 break
             new = extra_times(flows)
@@ -232,12 +258,22 @@ class Simulator:
         for rank in keep_timelines:
             c = int(class_of_rank[rank])
             result.timelines[rank] = (np.asarray(post[c]), np.asarray(fin[c]))
+        if record is not None:
+            slow = [self.slowdown.get(rep, 1.0) for rep in reps]
+            result.causes = ReplayCauses(
+                fin=fin, why=why, keys=record[0], ops=record[1],
+                offset=[self.start_s.get(rep, 0.0) for rep in reps],
+                deps=[q.deps for q in plan], p2p=[q.p2p for q in plan], streams=[q.streams for q in plan],
+                compute_s=[[d * f if q.comm[k] is None else 0.0 for k, d in enumerate(q.durations)]
+                           for q, f in zip(plan, slow)])
         result.sim_wall_s = time.perf_counter() - start_wall
         return result
 
-    def _replay(self, class_of_rank: np.ndarray, reps: list[int], plan: list[_Prepared], extra: dict):
+    def _replay(self, class_of_rank: np.ndarray, reps: list[int], plan: list[_Prepared], extra: dict,
+                record: Optional[tuple[dict, dict]] = None):
         """One replay; `extra`: seconds added to each shared transfer (by operation key). Returns
-        per class the post and finish time and cause of every node, and the transfers it ran."""
+        per class the post and finish time and cause of every node, and the transfers it ran.
+        `record`: (keys, ops) to fill as `ReplayCauses` describes."""
         world = self.world
         n_classes = len(reps)
         slow = [self.slowdown.get(rep, 1.0) for rep in reps]
@@ -306,6 +342,8 @@ class Simulator:
                     if delta is None:
                         members, placement = group_info(c, dim)
                         key = (dim, members, k)
+                        if record is not None:
+                            record[0][(c, i)] = key
                         if key not in done:
                             arrived = pending.setdefault(key, {})
                             arrived[c] = (ready, i, cause, nbytes)
@@ -321,6 +359,9 @@ class Simulator:
                             end = t0 + latency + transfer + extra.get(key, 0.0)
                             flows.append((key, members, kind, t0 + latency, transfer))
                             done[key] = (t0, end, lcause)
+                            if record is not None:
+                                record[1][key] = (t0, end, [(m, v[0], v[1], v[2])
+                                                            for m, v in arrived.items()])
                             del pending[key]
                         t0, end, lcause = done[key]
                         P_post[i] = t0  # when the operation runs (all members there)
@@ -332,6 +373,8 @@ class Simulator:
                     other, peer, size = peer_class(c, dim, delta)
                     send = op == "send"
                     key = (c, other, dim, delta % size, k) if send else (other, c, dim, (-delta) % size, k)
+                    if record is not None:
+                        record[0][(c, i)] = key
                     P_post[i] = ready
                     slot = pending.setdefault(key, {})
                     slot["send" if send else "recv"] = (ready, c, i, cause)
@@ -345,6 +388,8 @@ class Simulator:
                         flows.append((key, (sc, rc), kind, t0 + latency, transfer))
                         fin[sc][si] = fin[rc][ri] = end
                         why[sc][si] = why[rc][ri] = (scause if ts >= tr else rcause)
+                        if record is not None:
+                            record[1][key] = (t0, end, [(sc, ts, si, scause), (rc, tr, ri, rcause)])
                         del pending[key]
                     i += 1
                 if i != ptr[c]:

@@ -8,22 +8,16 @@ on the device's own clock. `CpuClock` uses `time.perf_counter`, where work is sy
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 
-RATE_DECAY = 0.9
-"""Weight per later sleep of what earlier ones measured, in the GPU's sleep-rate estimate."""
-RATE_MIN_S = 100e-6
-"""Sleeps shorter than this do not re-rate the GPU's sleep: a few microseconds of launch and event
-spacing per sleep would read as a slower clock and cut the long waits short."""
-
-
 class DelayAccount:
-    """What the injected waits were asked for and what the clock measured them to last."""
+    """What the injected holds were asked for (their goal less the time they began) and what they
+    lasted."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -41,7 +35,66 @@ class DelayAccount:
                 "error_pct": (self.measured_s / self.planned_s - 1) * 100 if self.planned_s > 0 else None}
 
 
-class CpuClock:
+class HoldBook:
+    """An iteration's holds on one clock (emulate/holds.py): `rows[k]` = (self_s, terms) of the k-th
+    communication operation, None where it is not held. `plan` sets an operation's end to
+    max(now + self_s, max over its terms (anchor, ghost_s) of (end of anchor + ghost_s)); anchor -1
+    is the iteration's start."""
+
+    def __init__(self, rows: Sequence[Optional[tuple]]) -> None:
+        self.rows = list(rows)
+        self.ends: dict[int, float] = {}
+        self.start = 0.0
+
+    def begin(self, now: float) -> None:
+        self.start = now
+        self.ends.clear()
+
+    def plan(self, ordinals, now: float) -> float:
+        """Plan the ends of `ordinals`; returns the latest."""
+        goal = -math.inf
+        for k in ordinals:
+            self_s, terms = self.rows[k]
+            end = now + self_s
+            for anchor, ghost_s in terms:
+                base = self.start if anchor < 0 else self.ends.get(anchor)
+                if base is not None:
+                    end = max(end, base + ghost_s)
+            self.ends[k] = end
+            goal = max(goal, end)
+        return goal
+
+    def goal(self, ordinals) -> float:
+        return max((self.ends.get(k, -math.inf) for k in ordinals), default=-math.inf)
+
+
+class HostHolds:
+    """Holds on a clock whose stream is the calling thread (its `now()` and `wait_until()`)."""
+
+    _book: Optional[HoldBook] = None
+
+    def set_holds(self, rows: Sequence[Optional[tuple]]) -> None:
+        self._book = HoldBook(rows)
+
+    def hold_iteration(self) -> None:
+        self._book.begin(self.now())
+
+    def hold(self, ordinals, spin: bool) -> None:
+        """Plan the ends of `ordinals` (held operations issued together) and, with `spin`, hold the
+        stream until the latest of them."""
+        goal = self._book.plan(ordinals, self.now())
+        if spin:
+            self.wait_until(goal)
+
+    def hold_wait(self, ordinals) -> None:
+        """Hold the stream until the planned ends of `ordinals` (an overlapped operation's wait)."""
+        self.wait_until(self._book.goal(ordinals))
+
+    def delay_report(self) -> dict:
+        return self.delays.report()
+
+
+class CpuClock(HostHolds):
     """perf_counter marks; the CPU runs everything on the calling thread's one stream."""
 
     kind = "cpu"
@@ -53,19 +106,21 @@ class CpuClock:
     def mark(self) -> float:
         return time.perf_counter()
 
-    def delay(self, seconds: float) -> None:
-        """Hold this stream (the host thread) for `seconds` (realtime emulation's waits). A sleep
-        overshoots by the kernel's timer slack and the wake-up (tens of microseconds, per wait); the
-        overshoot measured so far (an exponential moving average) is taken off the next sleeps."""
-        asked = max(0.0, seconds - self._overshoot_s)
+    now = mark
+
+    def wait_until(self, goal: float) -> None:
+        """Sleep until `goal` (perf_counter seconds). A sleep overshoots by the kernel's timer slack
+        and the wake-up (tens of microseconds); the overshoot measured so far (a moving average) is
+        taken off the next sleeps."""
         start = time.perf_counter()
+        seconds = goal - start
+        if seconds <= 0:
+            return
+        asked = max(0.0, seconds - self._overshoot_s)
         time.sleep(asked)
         took = time.perf_counter() - start
         self.delays.add(seconds, took)
         self._overshoot_s = 0.8 * self._overshoot_s + 0.2 * max(0.0, took - asked)
-
-    def delay_report(self) -> dict:
-        return self.delays.report()
 
     def stream(self) -> str:
         return "compute"
@@ -90,10 +145,7 @@ class CudaClock:
         self._current = getattr(torch._C, "_cuda_getCurrentStream", None)
         self._event = getattr(torch._C, "_CudaEventBase", None)
         self._streams: dict[int, Any] = {}
-        self._cycles_per_s = self._first_rate = None
-        self.delays = DelayAccount()
-        self._sleeps: deque = deque()  # (start event, end event, cycles, planned seconds), in order
-        self._rate_cycles = self._rate_s = 0.0
+        self._holds = None  # trace/cuda_hold.py's DeviceHolds, made by `set_holds`
 
     def mark(self) -> Any:
         if self._current is None or self._event is None:
@@ -109,56 +161,25 @@ class CudaClock:
         self._event.record(event, stream)
         return event
 
-    def delay(self, seconds: float) -> None:
-        """Hold the current stream for `seconds` with a spinning kernel (torch.cuda._sleep), as a
-        collective waiting for its peers holds it; the host is not blocked.
+    def set_holds(self, rows: Sequence[Optional[tuple]]) -> None:
+        """The iteration's holds go to the device: they run as kernels on the current stream
+        (trace/cuda_hold.py)."""
+        from prism_megatron.trace.cuda_hold import DeviceHolds
 
-        The kernel spins for a number of SM clock cycles, and the SM clock moves with the device's
-        power and thermal state (by several percent through a run). Each sleep is therefore timed by
-        a pair of events, and the completed sleeps of at least RATE_MIN_S (asked without blocking) set
-        the rate the next ones use: over a run the injected time tracks the planned one, in sum,
-        whatever the clock does. The report compares sums: a few microseconds of fixed cost per
-        sleep are in the measured side of short waits."""
-        if self._cycles_per_s is None:
-            self._cycles_per_s = self._first_rate = self._measure_sleep_rate()
-        self._settle()
-        cycles = max(1, round(seconds * self._cycles_per_s))
-        start = self.mark()
-        self._torch.cuda._sleep(cycles)
-        end = self.mark()
-        self._sleeps.append((start, end, cycles, seconds))
+        self._holds = DeviceHolds(rows)
 
-    def _settle(self, block: bool = False) -> None:
-        """Account the completed sleeps, oldest first; their cycles over their measured seconds (a
-        decaying sum, so the estimate follows the clock) become the sleep rate."""
-        while self._sleeps and (block or self._sleeps[0][1].query()):
-            start, end, cycles, seconds = self._sleeps.popleft()
-            if block:
-                end.synchronize()
-            took = start.elapsed_time(end) * 1e-3
-            self.delays.add(seconds, took)
-            if took >= RATE_MIN_S:
-                self._rate_cycles = RATE_DECAY * self._rate_cycles + cycles
-                self._rate_s = RATE_DECAY * self._rate_s + took
-                self._cycles_per_s = self._rate_cycles / self._rate_s
+    def hold_iteration(self) -> None:
+        self._holds.begin()
+
+    def hold(self, ordinals, spin: bool) -> None:
+        self._holds.hold(ordinals, spin)
+
+    def hold_wait(self, ordinals) -> None:
+        self._holds.wait(ordinals)
 
     def delay_report(self) -> dict:
-        """The DelayAccount's report, with the sleep rate (cycles per second) first and last."""
-        self._settle(block=True)
-        out = self.delays.report()
-        if self._cycles_per_s is not None:
-            out["cycles_per_s_first"], out["cycles_per_s_last"] = self._first_rate, self._cycles_per_s
-        return out
-
-    def _measure_sleep_rate(self) -> float:
-        cuda = self._torch.cuda
-        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        cycles = 20_000_000
-        self._record(start)
-        cuda._sleep(cycles)
-        self._record(end)
-        end.synchronize()
-        return cycles / (start.elapsed_time(end) * 1e-3)
+        """What the holds were asked for and what they lasted, on the device's global timer."""
+        return self._holds.report() if self._holds is not None else DelayAccount().report()
 
     def stream(self) -> str:
         if self._current is None:

@@ -111,8 +111,7 @@ class Recorder:
         """Called with True when labelled iterations begin and False when timed ones do."""
         self.built: dict[str, Any] = {}
         """How the last `build` was made: timing, timed_iteration, labelled_iteration (1-based)."""
-        self._delays: Optional[Sequence[float]] = None
-        self._wait_delays: Sequence[float] = ()
+        self._holds: Optional[list] = None  # emulate/holds.py's Hold per ordinal (None: not held)
         self._comm_ordinal = 0
         self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
         self._unissued: list[tuple[_Iteration, int]] = []  # comm nodes begun, their Work not yet returned
@@ -182,19 +181,21 @@ class Recorder:
             self.iterations.append(self._cur)
             self._pending = {}
             self._comm_ordinal = 0
+            if self._holds is not None:
+                self.clock.hold_iteration()
             previous = self.iterations[-2].labelled if len(self.iterations) > 1 else self.setup.labelled
         if labelled != previous:
             for listener in self.mode_listeners:
                 listener(labelled)
 
-    def inject_delays(self, delays: Sequence[float], at_wait: Sequence[float] = ()) -> None:
-        """Realtime emulation: hold the stream `delays[k]` seconds right after the k-th communication
-        operation of every iteration is issued (a synchronous one: the wait for ghost peers and the
-        modelled transfer that the replay computed), and `at_wait[k]` seconds where that operation
-        is waited for (an asynchronous one: how long the replay's stream stalls there), so the run
-        has the production duty cycle."""
-        self._delays = list(delays)
-        self._wait_delays = list(at_wait)
+    def inject_holds(self, holds: Sequence) -> None:
+        """Realtime emulation (and pacing): hold the stream for the k-th communication operation of
+        every iteration as `holds[k]` says (emulate/holds.py: until the later of the sandbox's own
+        arrival and its ghost peers' arrival, plus the modelled transfer; a synchronous operation at
+        its issue, an overlapped one where it is waited for), so the run has the production duty
+        cycle. The clock holds its stream and decides the ends on its own timeline."""
+        self._holds = list(holds)
+        self.clock.set_holds([None if h is None else (h.self_s, h.terms) for h in holds])
 
     def origin_s(self, iteration: int = -1) -> Optional[float]:
         """The host clock (perf_counter, one clock for every process of a machine) at the start of
@@ -261,13 +262,14 @@ class Recorder:
             it.nodes[group[-1]].t1 = now
             self._seg_start = now
             ordinals = [it.nodes[i].ordinal for i in group]
-            if self._delays is not None and it is not self.setup:
-                held = sum(self._delays[k] for k in ordinals if 0 <= k < len(self._delays))
-                if held > 0:
-                    # the injected wait belongs to no node, as a blocked wait does not: the replay
-                    # computes it; the operation's own (local) part is what ran before it
-                    self.clock.delay(held)
-                    self._seg_start = it.add(self.clock.mark(), "delayed")
+            if self._holds is not None and it is not self.setup:
+                held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None]
+                if held:
+                    spin = any(not self._holds[k].at_wait for k in held)
+                    self.clock.hold(held, spin)
+                    if spin:  # the hold belongs to no node, as a blocked wait does not: the replay
+                        # computes it; the operation's own (local) part is what ran before it
+                        self._seg_start = it.add(self.clock.mark(), "delayed")
             self._after_issue = self._seg_start
             if self.blocking:  # the call returned when the operations were done
                 self._pending.setdefault(self.clock.stream(), []).extend(
@@ -296,10 +298,10 @@ class Recorder:
             it, group, at_once, ordinals, real_peer = entry
             if it is self._cur:
                 self._pending.setdefault(self.clock.stream(), []).extend(group)
-            stall = (sum(self._wait_delays[k] for k in ordinals if 0 <= k < len(self._wait_delays))
-                     if self._wait_delays else 0.0)
-            if stall > 0 and it is self._cur:  # the replay's stream waits here: belongs to no node
-                self.clock.delay(stall)
+            held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None
+                    and self._holds[k].at_wait] if self._holds is not None and it is self._cur else ()
+            if held:  # the replay's stream waits here: belongs to no node
+                self.clock.hold_wait(held)
             elif at_once and not real_peer:
                 return  # the issue's mark stands: what follows is the next segment's
             # (with another sandbox in the operation a real transfer can run after the backend

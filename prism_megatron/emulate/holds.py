@@ -1,0 +1,211 @@
+"""Closed-loop holds: how long a sandbox's communication holds its stream when ghosts are replayed.
+
+A collective with ghost members ends when its last member arrives plus its modelled transfer. The
+replay (sim/des.py) computes that end for one iteration; a sandbox running for real must end the
+operation at the same place *of its own run*, and its own run differs from the replay: its compute is
+measured again, under another duty cycle, on a clock that drifts. A fixed wait per operation (the
+replay's end less the sandbox's arrival in the replay) keeps every difference: a sandbox that computes
+2 % faster keeps its old waits and finishes 2 % early, where a real rank would have waited longer for
+its peers.
+
+So each operation is held until the later of two times, both taken on the sandbox's own stream:
+
+- its own part: the sandbox's arrival plus the modelled transfer (`self_s`, counted from the point the
+  hold runs, after the operation's local work, so that part is taken off);
+- its ghosts' part: when the last ghost peer arrives plus the transfer. A ghost's arrival is the end
+  of a chain of ghost work that began at the end of one of the sandbox's earlier operations (the
+  *anchor*: the replay's causes are followed back from the ghost until they reach an operation the
+  sandbox took part in) or at the iteration's start. Held as `anchor's end in this run + ghost_s`, a
+  late sandbox delays its ghost peers exactly as a late real rank does, and an early one waits longer.
+
+Replayed with the replay's own figures, the rule gives back every end the replay computed. A
+synchronous operation (the next compute on its stream is the first to wait for it) is held at its
+issue; an overlapped one has its end planned at its issue and is held where it is waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from prism_megatron.graph.model import RoleGraph
+from prism_megatron.sim.des import SimResult
+
+START = -1
+"""The anchor of a ghost chain that began at the iteration's start."""
+
+
+SLACK = 0.25
+"""Paths are kept that decide the ghosts' arrival for a sandbox whose compute runs up to this share
+faster or slower than in the replay (`_prune`)."""
+_FACTORS = tuple(1 + SLACK * (k / 5 - 1) for k in range(11))
+
+
+class Hold(NamedTuple):
+    """One communication operation's hold (module docstring). Held until
+    max(now + self_s, max over `terms` of (end of anchor + ghost_s)), `now` being when the hold runs
+    on the stream."""
+
+    self_s: float
+    terms: tuple
+    """(anchor, ghost_s) per path by which ghost peers arrive: the anchor is the ordinal (in the
+    iteration) of the sandbox's operation the path begins at the end of, or START; empty where no
+    ghost takes part."""
+    at_wait: bool
+    """Held where the operation is waited for (it overlaps the compute after its issue)."""
+
+
+def overlapped(g: RoleGraph) -> np.ndarray:
+    """Per communication node of `g` in program order: whether compute runs between its issue and
+    the first compute node that waits for it (False: synchronous, waited for by the next compute)."""
+    kind = g.columns["kind"]
+    comm = np.nonzero(kind != 0)[0].tolist()
+    waiter: dict[int, int] = {}
+    for j in np.nonzero(kind == 0)[0].tolist():
+        for d in g.dep_idx[g.dep_ptr[j]:g.dep_ptr[j + 1]].tolist():
+            if kind[d] != 0 and d not in waiter:
+                waiter[d] = j
+    compute = np.nonzero(kind == 0)[0]
+    out = np.zeros(len(comm), dtype=bool)
+    for k, i in enumerate(comm):
+        j = waiter.get(i)
+        pos = int(np.searchsorted(compute, i, side="right"))
+        out[k] = not (j is None or (pos < len(compute) and j == int(compute[pos])))
+    return out
+
+
+def holds(result: SimResult, rank: int, g: RoleGraph) -> list[Optional[Hold]]:
+    """The holds of `rank`'s communication in program order (None: not held, a local operation),
+    from a replay run with `causes=True` in which `g` is `rank`'s graph."""
+    causes = result.causes
+    if causes is None:
+        raise ValueError("holds need a replay run with causes=True")
+    cs = int(result.class_of_rank[rank])
+    comm = np.nonzero(g.columns["kind"] != 0)[0].tolist()
+    local = g.columns["duration_s"]
+    own: dict = {}  # operation key -> this rank's ordinal of it
+    for ordinal, i in enumerate(comm):
+        key = causes.keys.get((cs, i))
+        if key is not None and key not in own:
+            own[key] = ordinal
+    paths = _Paths(causes, own, causes.offset[cs])
+    at_wait = overlapped(g)
+    out: list[Optional[Hold]] = []
+    for ordinal, i in enumerate(comm):
+        key = causes.keys.get((cs, i))
+        if key is None:
+            out.append(None)
+            continue
+        start, end, arrivals = causes.ops[key]
+        transfer = end - start
+        others = [a for a in arrivals if not (a[0] == cs and a[2] == i)]
+        terms: dict = {}
+        for a in others:
+            _merge(terms, paths.ready(a[0], a[2]), 0.0)
+        _prune(terms, paths.end, paths.start_s)
+        rows: dict = {}
+        for anchor, at in terms.items():
+            if anchor != START and anchor >= ordinal:  # a path from an operation issued later
+                anchor = START  # (an overlapped one): held at its replayed time instead
+            ghost_s = at + transfer - paths.end[anchor]
+            rows[anchor] = max(rows.get(anchor, -math.inf), ghost_s)
+        out.append(Hold(transfer - float(local[i]), tuple(sorted(rows.items())), bool(at_wait[ordinal])))
+    return out
+
+
+class _Paths:
+    """Every path by which a node of the replay became ready, as (where it began: an end of one of
+    the sandbox's operations or START) -> the time it reached the node, in the max-plus sense: the
+    node is ready at the latest of them. Memoized per node; paths that decide for no sandbox speed
+    within `SLACK` are pruned."""
+
+    def __init__(self, causes, own: dict, start_s: float) -> None:
+        self.c, self.own, self.start_s = causes, own, start_s
+        self.end = {START: start_s}
+        for key, ordinal in own.items():
+            self.end[ordinal] = causes.ops[key][1]
+        self._ready: dict = {}
+        self._fin: dict = {}
+
+    def ready(self, c: int, i: int) -> dict:
+        todo = [("ready", c, i)]
+        while todo:
+            kind, c, i = todo[-1]
+            memo = self._ready if kind == "ready" else self._fin
+            if (c, i) in memo:
+                todo.pop()
+                continue
+            parts = self._parts(kind, c, i)
+            missing = [(k, cc, ii) for k, cc, ii, _ in parts
+                       if (cc, ii) not in (self._ready if k == "ready" else self._fin)]
+            if missing:
+                todo.extend(missing)
+                continue
+            terms: dict = {}
+            for k, cc, ii, weight in parts:
+                _merge(terms, (self._ready if k == "ready" else self._fin)[(cc, ii)], weight)
+            if kind == "ready":
+                _merge(terms, {START: self.c.offset[c]}, 0.0)
+            else:
+                key = self.c.keys.get((c, i))
+                if key is not None and key in self.own:
+                    terms = {self.own[key]: self.c.ops[key][1]}
+            _prune(terms, self.end, self.start_s)
+            memo[(c, i)] = terms
+            todo.pop()
+        return self._ready[(c, i)]
+
+    def _parts(self, kind: str, c: int, i: int) -> list:
+        """What the node's ready (or end) is the latest of: (kind, class, node, weight) each."""
+        cz = self.c
+        if kind == "ready":  # its dependencies: ended, or (p2p after p2p on one stream) posted
+            p2p, streams = cz.p2p[c], cz.streams[c]
+            return [("ready" if p2p[i] and p2p[d] and streams[d] == streams[i] else "fin", c, d, 0.0)
+                    for d in cz.deps[c][i]]
+        key = cz.keys.get((c, i))
+        if key is None:  # compute (or a local operation): ready plus its duration
+            return [("ready", c, i, cz.compute_s[c][i])]
+        if key in self.own:
+            return []
+        start, end, arrivals = cz.ops[key]
+        return [("ready", a[0], a[2], end - start) for a in arrivals]
+
+
+def _merge(into: dict, terms: dict, weight: float) -> None:
+    for anchor, at in terms.items():
+        at += weight
+        if at > into.get(anchor, -math.inf):
+            into[anchor] = at
+
+
+def _prune(terms: dict, end: dict, start_s: float) -> None:
+    """Keep the paths that are the latest for some sandbox speed: a sandbox whose compute takes f
+    times as long shifts the end of its operation a by about (f - 1) * (end[a] - start), so each
+    path's time is a line in f; the lines on the upper envelope over f in 1 +- SLACK (sampled) stay."""
+    if len(terms) <= 1:
+        return
+    kept = set()
+    for f in _FACTORS:
+        kept.add(max(terms, key=lambda a: terms[a] + (f - 1) * (end[a] - start_s)))
+    for anchor in [a for a in terms if a not in kept]:
+        del terms[anchor]
+
+
+def write_plan(path: Path, plans: dict[int, list[Optional[Hold]]]) -> None:
+    """The plan file a realtime or paced sandbox reads (`emulation.delay_plan`)."""
+    from prism_megatron.util import atomic_write_text
+
+    atomic_write_text(str(path), json.dumps({"holds": {
+        str(r): [None if h is None else [h.self_s, [list(t) for t in h.terms], h.at_wait] for h in plan]
+        for r, plan in plans.items()}}))
+
+
+def read_plan(path: str, rank: int) -> list[Optional[Hold]]:
+    """`rank`'s holds from a plan file; ValueError, KeyError or OSError where it has none."""
+    rows = json.loads(Path(path).read_text())["holds"][str(rank)]
+    return [None if row is None else Hold(float(row[0]), tuple((int(a), float(g)) for a, g in row[1]),
+                                          bool(row[2])) for row in rows]

@@ -1,0 +1,115 @@
+"""Holds on a CUDA stream, decided on the device (realtime emulation and pacing on GPU).
+
+A hold (emulate/holds.py) ends at max(now + self_s, end of each path's anchor + its ghost_s), where
+`now` is when the stream reaches it. On a GPU the host runs ahead of the stream and cannot know that
+time without a synchronize, which a real rank never does; so the decision is taken by a one-thread
+kernel on the stream itself, on the device's global timer (`%globaltimer`, nanoseconds): it reads the
+time, computes the end from the anchors' ends that earlier holds of the iteration wrote to a device
+buffer, writes its own, and (where the stream is held) spins until the latest end of the operations
+issued with it.
+The spinning kernel holds the stream as an NCCL kernel waiting for its peers does, while other
+streams run on. The plan's rows are on the device from the start, so a hold costs one launch.
+
+Triton writes the kernel (it reads the timer with inline PTX). Its integer arguments are not
+specialized, so no hold compiles a new variant in the middle of a run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - a GPU machine without Triton
+    triton = None
+
+
+def available() -> bool:
+    """Whether holds can run on this machine's GPUs (Triton is installed)."""
+    return triton is not None
+
+
+NS = 1e9
+NEVER = -(1 << 62)
+"""The end of an operation not planned yet (every max with it keeps the other side)."""
+
+if triton is not None:
+
+    @triton.jit
+    def _now():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit(do_not_specialize=["row", "out", "lo", "hi", "acc"])
+    def _hold_kernel(ends, rows, row, out, lo, hi, acc, TERMS: tl.constexpr, PLAN: tl.constexpr,
+                     SPIN: tl.constexpr):
+        entry = _now()
+        if PLAN:  # rows[row] = (self ns, then (anchor slot, ghost ns) per term)
+            base = rows + (1 + 2 * TERMS) * row
+            end = entry + tl.load(base)
+            for t in tl.static_range(TERMS):
+                end = tl.maximum(end, tl.load(ends + tl.load(base + 1 + 2 * t)) + tl.load(base + 2 + 2 * t))
+            tl.store(ends + out, end)
+        if SPIN:
+            goal = tl.load(ends + lo)
+            for k in range(lo + 1, hi + 1):
+                goal = tl.maximum(goal, tl.load(ends + k))
+            now = entry
+            while now < goal:
+                now = _now()
+            if goal > entry:
+                tl.store(ends + acc, tl.load(ends + acc) + 1)
+                tl.store(ends + acc + 1, tl.load(ends + acc + 1) + (goal - entry))
+                tl.store(ends + acc + 2, tl.load(ends + acc + 2) + (now - entry))
+
+
+class DeviceHolds:
+    """An iteration's holds on the current CUDA stream. Device buffer `ends`: slot k the planned end
+    of operation k, then the iteration's start, a slot that is always NEVER (the anchor of an unused
+    term), and the account (holds that waited, ns asked, ns held)."""
+
+    def __init__(self, rows: Sequence[Optional[tuple]]) -> None:
+        import torch
+
+        if triton is None:
+            raise RuntimeError("realtime emulation and pacing on GPU need Triton (pip install triton)")
+        n = len(rows)
+        self.start, self.never, self.acc = n, n + 1, n + 2
+        self.terms = max([len(row[1]) for row in rows if row is not None] + [1])
+        table = []
+        for row in [*rows, None]:  # the last row is the iteration's start: its end is its entry
+            self_s, terms = row if row is not None else (0.0, ())
+            cells = [round(self_s * NS)]
+            for anchor, ghost_s in terms:
+                cells += [self.start if anchor < 0 else int(anchor), round(ghost_s * NS)]
+            cells += [self.never, 0] * (self.terms - len(terms))
+            table.append(cells)
+        device = torch.cuda.current_device()
+        self.rows = torch.tensor(table, dtype=torch.int64, device=device)
+        self.ends = torch.full((n + 5,), NEVER, dtype=torch.int64, device=device)
+        self.ends[self.acc:] = 0
+
+    def _launch(self, row: int, out: int, lo: int, hi: int, plan: bool, spin: bool) -> None:
+        _hold_kernel[(1,)](self.ends, self.rows, row, out, lo, hi, self.acc, TERMS=self.terms, PLAN=plan,
+                           SPIN=spin, num_warps=1)
+
+    def begin(self) -> None:
+        self._launch(self.start, self.start, 0, 0, True, False)
+
+    def hold(self, ordinals: Sequence[int], spin: bool) -> None:
+        """Plan the ends of `ordinals` (issued together) and, with `spin`, hold the stream until the
+        latest."""
+        last = len(ordinals) - 1
+        for j, k in enumerate(ordinals):
+            self._launch(k, k, ordinals[0], k, True, spin and j == last)
+
+    def wait(self, ordinals: Sequence[int]) -> None:
+        self._launch(0, 0, min(ordinals), max(ordinals), False, True)
+
+    def report(self) -> dict:
+        """{"count", "planned_s", "measured_s", "error_pct"}: holds that waited, what they were asked
+        to wait and what they waited, on the global timer."""
+        count, asked, held = (int(x) for x in self.ends[self.acc:].tolist())
+        return {"count": count, "planned_s": asked / NS, "measured_s": held / NS,
+                "error_pct": (held / asked - 1) * 100 if asked > 0 else None}

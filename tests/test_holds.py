@@ -1,0 +1,124 @@
+"""Closed-loop holds (emulate/holds.py): replayed with the replay's own figures they give back every
+end it computed, and a sandbox that computes faster or slower than in the replay ends its iteration
+where a replay of that sandbox does, which fixed waits do not."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from prism_megatron.emulate.holds import START, holds, overlapped, read_plan, write_plan
+from prism_megatron.graph.model import NO_PEER, RoleGraphBuilder, StringTable
+from prism_megatron.graph.synthetic import synthetic_graph
+from prism_megatron.sim.cluster import load_cluster
+from prism_megatron.sim.des import Simulator
+from prism_megatron.world import Role, VirtualWorld
+
+COST = load_cluster("dgx_h100").cost_model()
+
+
+def _scaled(g, factor: float):
+    """`g` with its compute `factor` times as long (a sandbox measured again, faster or slower)."""
+    cols = dict(g.columns)
+    cols["duration_s"] = np.where(cols["kind"] == 0, cols["duration_s"] * factor, cols["duration_s"])
+    # (a copy of dep_ptr: the replay tells graphs apart by it)
+    return type(g)(**{**g.__dict__, "columns": cols, "dep_ptr": g.dep_ptr.copy()})
+
+
+def _run_with_holds(g, plan) -> float:
+    """The sandbox's iteration run for real with these holds, on one timeline: compute lasts what
+    `g` says, a communication's local part its recorded length, and its end is the hold's (the same
+    rule as trace/clock.py's HoldBook). Consecutive p2p of one stream wait only for being posted."""
+    cols = g.columns
+    kind, stream, dur = cols["kind"].tolist(), cols["stream"].tolist(), cols["duration_s"].tolist()
+    p2p = (cols["peer_delta"] != NO_PEER).tolist()
+    post, fin, ends = [0.0] * len(kind), [0.0] * len(kind), {}
+    ordinal = 0
+    for i in range(len(kind)):
+        ready = 0.0
+        for d in g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]].tolist():
+            same_p2p = kind[i] != 0 and p2p[i] and p2p[d] and stream[d] == stream[i]
+            ready = max(ready, post[d] if same_p2p else fin[d])
+        post[i] = ready
+        if kind[i] == 0:
+            fin[i] = ready + dur[i]
+            continue
+        h = plan[ordinal]
+        end = ready + dur[i] + h.self_s
+        for anchor, ghost_s in h.terms:
+            end = max(end, (0.0 if anchor == START else ends[anchor]) + ghost_s)
+        ends[ordinal] = fin[i] = end
+        ordinal += 1
+    return max(fin)
+
+
+@pytest.mark.parametrize("rank", [0, 3, 13])
+def test_holds_give_back_the_replay_and_follow_a_sandbox_that_runs_faster_or_slower(rank):
+    world = VirtualWorld(world_size=16, tp=2, pp=4)
+    graph = synthetic_graph(world, microbatches=4, optimizer_s=2e-3)
+    mine = graph.graph_of(rank)
+    replay = Simulator(graph, COST, rank_graphs={rank: mine}).run(causes=True)
+    plan = holds(replay, rank, mine)
+    assert len(plan) == int((mine.columns["kind"] != 0).sum()) and all(h is not None for h in plan)
+    assert any(a != START for h in plan for a, _ in h.terms)  # paths through the sandbox
+    assert _run_with_holds(mine, plan) == pytest.approx(replay.rank_times()[rank], rel=1e-12)
+    for factor in (0.9, 0.97, 1.05, 1.3):
+        again = _scaled(mine, factor)
+        truth = Simulator(graph, COST, rank_graphs={rank: again}).run().rank_times()[rank]
+        closed = _run_with_holds(again, plan)
+        # fixed waits: the replay's end less the sandbox's arrival, whatever the sandbox does now
+        fixed = [h._replace(terms=(), self_s=h.self_s + w)
+                 for h, w in zip(plan, _fixed_waits(replay, rank, mine))]
+        opened = _run_with_holds(again, fixed)
+        assert abs(closed / truth - 1) < 1e-9, (factor, closed, truth)
+        if abs(opened / truth - 1) > 1e-9:  # where the ghosts set the pace, fixed waits miss
+            assert abs(closed - truth) < abs(opened - truth)
+
+
+def _fixed_waits(replay, rank, g) -> list[float]:
+    """Per communication node, what a fixed wait adds to its own part: the replay's end less the
+    sandbox's arrival and its own part."""
+    causes = replay.causes
+    c = int(replay.class_of_rank[rank])
+    out = []
+    for i in np.nonzero(g.columns["kind"] != 0)[0].tolist():
+        start, end, arrivals = causes.ops[causes.keys[(c, i)]]
+        mine = next(a for a in arrivals if a[0] == c and a[2] == i)
+        out.append((end - mine[1]) - (end - start))
+    return out
+
+
+def test_a_ghost_chain_that_never_meets_the_sandbox_is_anchored_at_the_iteration_start():
+    """TP2 x PP2 with the sandbox at stage 1: its first receive waits for stage 0, whose forward
+    never waited for the sandbox, so that ghost's arrival counts from the iteration's start."""
+    world = VirtualWorld(world_size=4, tp=2, pp=2)
+    graph = synthetic_graph(world, microbatches=2)
+    rank = world.representative(Role(pp=1, tp=0, cp=0, ep=0, etp=0))
+    mine = graph.graph_of(rank)
+    replay = Simulator(graph, COST, rank_graphs={rank: mine}).run(causes=True)
+    plan = holds(replay, rank, mine)
+    assert plan[0].terms == ((START, pytest.approx(plan[0].terms[0][1])),) and plan[0].terms[0][1] > 0
+    assert _run_with_holds(mine, plan) == pytest.approx(replay.rank_times()[rank], rel=1e-12)
+
+
+def test_an_overlapped_operation_is_held_where_it_is_waited_for_and_a_plan_round_trips(tmp_path):
+    b = RoleGraphBuilder(Role(pp=0, tp=0, cp=0, ep=0, etp=0), 0, StringTable())
+    kw = dict(dtype="bfloat16", seq=0, start_s=0.0)
+    a = b.compute("a", stream="compute", start_s=0.0, duration_s=1.0)
+    sync = b.comm("all_reduce", dim="tp", nbytes=8, stream="comm.tp", duration_s=0.1, deps=[a], **kw)
+    c = b.compute("c", stream="compute", start_s=0.0, duration_s=1.0, deps=[a, sync])
+    late = b.comm("reduce_scatter", dim="dp", nbytes=8, stream="comm.dp", duration_s=0.1, deps=[c], **kw)
+    d = b.compute("d", stream="compute", start_s=0.0, duration_s=1.0, deps=[c])
+    b.compute("e", stream="compute", start_s=0.0, duration_s=1.0, deps=[d, late])
+    assert overlapped(b.build()).tolist() == [False, True]
+    world = VirtualWorld(world_size=16, tp=2, pp=4)
+    graph = synthetic_graph(world, microbatches=2)
+    replay = Simulator(graph, COST).run(causes=True)  # ghost-only: the sandbox shares its role's class
+    plan = holds(replay, 5, graph.graph_of(5))
+    write_plan(tmp_path / "plan.json", {5: plan})
+    assert read_plan(str(tmp_path / "plan.json"), 5) == plan
+    with pytest.raises(KeyError):
+        read_plan(str(tmp_path / "plan.json"), 6)
+    assert all(math.isfinite(h.self_s) and all(math.isfinite(g) for _, g in h.terms) for h in plan)
