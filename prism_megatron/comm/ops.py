@@ -166,6 +166,17 @@ def split_rows(tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(torch.split(tensor, sizes))
 
 
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a host tensor `src`, without making the host wait for the device: a copy
+    from pageable memory into a GPU tensor first waits for the stream to drain (a synchronize a real
+    rank's NCCL call or router does not make), so on GPU `src` is pinned and copied asynchronously
+    (torch's pinned-memory cache keeps it until the copy is done)."""
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 def host_bytes(t: torch.Tensor) -> np.ndarray:
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu":

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from prism_megatron.comm.ops import host_bytes
+from prism_megatron.comm.ops import copy_from_host, host_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,10 +97,10 @@ class GhostSlots:
             for i, a, b in self.runs:
                 block = _block(pieces, a, b)
                 if block is not None:
-                    block.copy_(rows[i:i + b - a])
+                    copy_from_host(block, rows[i:i + b - a])
                 else:
                     for k in range(b - a):
-                        slots[a + k].copy_(rows[i + k].view(slots[a + k].shape))
+                        copy_from_host(slots[a + k], rows[i + k].view(slots[a + k].shape))
             return True
         return False
 

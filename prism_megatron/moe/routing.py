@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from prism_megatron.comm.ops import copy_from_host
 from prism_megatron.moe.imbalance import Imbalance, routing_map
 
 
@@ -85,7 +86,12 @@ class ModelledTopk:
         counts = self.model.counts(**key, source=self._source())
         self.last_counts = counts
         rmap = routing_map(counts, tokens, topk)
-        indices = torch.from_numpy(np.nonzero(rmap)[1].reshape(tokens, topk)).to(scores.device)
+        chosen = torch.from_numpy(np.nonzero(rmap)[1].reshape(tokens, topk))
+        if scores.device.type == "cpu":
+            indices = chosen
+        else:  # a router's top-k does not make the host wait for the device
+            indices = torch.empty(chosen.shape, dtype=chosen.dtype, device=scores.device)
+            copy_from_host(indices, chosen)
         self.last_indices = indices
         return scores.gather(1, indices), indices
 
