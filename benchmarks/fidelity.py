@@ -303,7 +303,7 @@ def main() -> int:
                              "configs' ranks on cuda; for 2 GPUs "
                              "benchmarks/results/calibration-h200x2-2026-11-30-device.json)")
     parser.add_argument("--realtime", action="store_true",
-                        help="the last emulation of each config also runs with the realtime clock")
+                        help="every emulation also runs with the realtime clock (its holds)")
     parser.add_argument("--no-real", action="store_true",
                         help="only the emulation (e.g. the realtime check on a machine with one GPU)")
     parser.add_argument("--diagnose", action="store_true",
