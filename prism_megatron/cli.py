@@ -123,11 +123,12 @@ def _parser() -> argparse.ArgumentParser:
                              help="where the sandboxes run (default: the capture's device)")
             cmd.add_argument("--clock", choices=("virtual", "realtime"), default="virtual",
                              help="virtual: compute the iteration time; realtime: then run the sandboxes "
-                                  "again with the computed waits injected and report their wall clock")
+                                  "again with their communication held as the replay says and report "
+                                  "their wall clock")
             cmd.add_argument("--pace", choices=("auto", "on", "off"), default="auto",
                              help="hold each of the sandbox's collectives on its device stream for the wait "
                                   "a ghost-only replay computes, so compute is measured at the production "
-                                  "duty cycle (auto: on GPU)")
+                                  "duty cycle (auto: on GPU, where Triton is installed)")
             cmd.add_argument("--faults", default=None,
                              help="fault specs injected into the job, e.g. "
                                   "\"slow(4711, 1.5); link(node3, 2)\" (default: the config's faults.inject)")

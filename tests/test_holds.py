@@ -28,36 +28,42 @@ def _scaled(g, factor: float):
 
 
 def _run_with_holds(g, plan) -> float:
-    """The sandbox's iteration run for real with these holds, on one timeline: compute lasts what
-    `g` says, a communication's local part its recorded length, and its end is the hold's (the same
-    rule as trace/clock.py's HoldBook). Consecutive p2p of one stream wait only for being posted."""
+    """The sandbox's iteration run for real with these holds, as the recorder and a clock do it, on
+    one timeline: compute lasts what `g` says and holds the stream; a communication runs its local
+    part (its recorded length), plans its end by the hold's rule (trace/clock.py's HoldBook) and, if
+    synchronous, holds the stream until then; an overlapped one is waited for by the compute that
+    depends on it. As in the replay, consecutive p2p of one stream wait only for being posted."""
     cols = g.columns
     kind, stream, dur = cols["kind"].tolist(), cols["stream"].tolist(), cols["duration_s"].tolist()
     p2p = (cols["peer_delta"] != NO_PEER).tolist()
     post, fin, ends = [0.0] * len(kind), [0.0] * len(kind), {}
+    free = 0.0  # when the sandbox's stream is free
     ordinal = 0
     for i in range(len(kind)):
-        ready = 0.0
+        ready = free if kind[i] == 0 else 0.0
         for d in g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]].tolist():
             same_p2p = kind[i] != 0 and p2p[i] and p2p[d] and stream[d] == stream[i]
             ready = max(ready, post[d] if same_p2p else fin[d])
         post[i] = ready
         if kind[i] == 0:
-            fin[i] = ready + dur[i]
+            fin[i] = free = ready + dur[i]
             continue
         h = plan[ordinal]
         end = ready + dur[i] + h.self_s
         for anchor, ghost_s in h.terms:
             end = max(end, (0.0 if anchor == START else ends[anchor]) + ghost_s)
         ends[ordinal] = fin[i] = end
+        if not h.at_wait:
+            free = max(free, end)
         ordinal += 1
     return max(fin)
 
 
-@pytest.mark.parametrize("rank", [0, 3, 13])
-def test_holds_give_back_the_replay_and_follow_a_sandbox_that_runs_faster_or_slower(rank):
+@pytest.mark.parametrize("pp_bytes", [8192, 64 << 20])
+@pytest.mark.parametrize("rank", [0, 3, 5, 13])
+def test_holds_give_back_the_replay_and_follow_a_sandbox_that_runs_faster_or_slower(rank, pp_bytes):
     world = VirtualWorld(world_size=16, tp=2, pp=4)
-    graph = synthetic_graph(world, microbatches=4, optimizer_s=2e-3)
+    graph = synthetic_graph(world, microbatches=4, optimizer_s=2e-3, pp_bytes=pp_bytes)
     mine = graph.graph_of(rank)
     replay = Simulator(graph, COST, rank_graphs={rank: mine}).run(causes=True)
     plan = holds(replay, rank, mine)
@@ -103,7 +109,9 @@ def test_a_ghost_chain_that_never_meets_the_sandbox_is_anchored_at_the_iteration
     assert _run_with_holds(mine, plan) == pytest.approx(replay.rank_times()[rank], rel=1e-12)
 
 
-def test_an_overlapped_operation_is_held_where_it_is_waited_for_and_a_plan_round_trips(tmp_path):
+def test_which_operations_overlap_and_a_plan_round_trips(tmp_path):
+    """Held at the wait: tests/test_trace.py (the recorder); here, which operations overlap (none
+    waits for the last one: it is held nowhere) and the plan file."""
     b = RoleGraphBuilder(Role(pp=0, tp=0, cp=0, ep=0, etp=0), 0, StringTable())
     kw = dict(dtype="bfloat16", seq=0, start_s=0.0)
     a = b.compute("a", stream="compute", start_s=0.0, duration_s=1.0)
@@ -111,8 +119,9 @@ def test_an_overlapped_operation_is_held_where_it_is_waited_for_and_a_plan_round
     c = b.compute("c", stream="compute", start_s=0.0, duration_s=1.0, deps=[a, sync])
     late = b.comm("reduce_scatter", dim="dp", nbytes=8, stream="comm.dp", duration_s=0.1, deps=[c], **kw)
     d = b.compute("d", stream="compute", start_s=0.0, duration_s=1.0, deps=[c])
-    b.compute("e", stream="compute", start_s=0.0, duration_s=1.0, deps=[d, late])
-    assert overlapped(b.build()).tolist() == [False, True]
+    e = b.compute("e", stream="compute", start_s=0.0, duration_s=1.0, deps=[d, late])
+    b.comm("all_reduce", dim="dp", nbytes=8, stream="comm.dp", duration_s=0.1, deps=[e], **kw)
+    assert overlapped(b.build()).tolist() == [False, True, True]
     world = VirtualWorld(world_size=16, tp=2, pp=4)
     graph = synthetic_graph(world, microbatches=2)
     replay = Simulator(graph, COST).run(causes=True)  # ghost-only: the sandbox shares its role's class

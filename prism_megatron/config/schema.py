@@ -55,12 +55,13 @@ class EmulationConfig:
     """GPUs per node of the emulated cluster (placement of virtual ranks on nodes)."""
 
     clock: str = "virtual"
-    """virtual: nothing is slept, the iteration time is computed by the replay; realtime: the waits the
-    replay computed (`delay_plan`) are injected into the sandbox's communication (a sleep on CPU, a
-    delay kernel on the GPU's stream), so it runs at the production duty cycle."""
+    """virtual: nothing is slept, the iteration time is computed by the replay; realtime: the sandbox's
+    communication is held as the replay says (`delay_plan`, emulate/holds.py: until the later of its
+    own and its ghosts' arrival plus the transfer; a sleep on CPU, a spinning kernel on the GPU's
+    stream), so it runs at the production duty cycle."""
 
     delay_plan: Optional[str] = None
-    """JSON of the waits to inject per communication operation of an iteration (clock=realtime);
+    """JSON of the holds per communication operation of an iteration (clock=realtime);
     `prism-megatron emulate --clock realtime` writes it."""
 
     execution: str = "auto"

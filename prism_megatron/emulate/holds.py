@@ -34,6 +34,7 @@ import numpy as np
 
 from prism_megatron.graph.model import RoleGraph
 from prism_megatron.sim.des import SimResult
+from prism_megatron.util import gc_paused
 
 START = -1
 """The anchor of a ghost chain that began at the iteration's start."""
@@ -61,7 +62,9 @@ class Hold(NamedTuple):
 
 def overlapped(g: RoleGraph) -> np.ndarray:
     """Per communication node of `g` in program order: whether compute runs between its issue and
-    the first compute node that waits for it (False: synchronous, waited for by the next compute)."""
+    the first compute node that waits for it, or none waits for it in the iteration (False:
+    synchronous, waited for by the next compute). An overlapped operation is held only where it is
+    waited for: one that nothing waits for holds nothing, as in the replay."""
     kind = g.columns["kind"]
     comm = np.nonzero(kind != 0)[0].tolist()
     waiter: dict[int, int] = {}
@@ -74,16 +77,21 @@ def overlapped(g: RoleGraph) -> np.ndarray:
     for k, i in enumerate(comm):
         j = waiter.get(i)
         pos = int(np.searchsorted(compute, i, side="right"))
-        out[k] = not (j is None or (pos < len(compute) and j == int(compute[pos])))
+        out[k] = j is None or not (pos < len(compute) and j == int(compute[pos]))
     return out
 
 
 def holds(result: SimResult, rank: int, g: RoleGraph) -> list[Optional[Hold]]:
     """The holds of `rank`'s communication in program order (None: not held, a local operation),
     from a replay run with `causes=True` in which `g` is `rank`'s graph."""
-    causes = result.causes
-    if causes is None:
+    if result.causes is None:
         raise ValueError("holds need a replay run with causes=True")
+    with gc_paused():
+        return _holds(result, rank, g)
+
+
+def _holds(result: SimResult, rank: int, g: RoleGraph) -> list[Optional[Hold]]:
+    causes = result.causes
     cs = int(result.class_of_rank[rank])
     comm = np.nonzero(g.columns["kind"] != 0)[0].tolist()
     local = g.columns["duration_s"]

@@ -67,12 +67,12 @@ class Emulation:
     trace_ranks: list[int] = field(default_factory=list)
     """Ranks whose simulated timeline goes to `<out>/emulation.trace.json` (default: the sandboxes)."""
     clock: str = "virtual"
-    """virtual: the iteration time is computed; realtime: then the sandboxes run again with the
-    computed waits injected (`<out>/delay_plan.json`), and their measured wall-clock iteration is
-    reported beside the virtual figure."""
+    """virtual: the iteration time is computed; realtime: then the sandboxes run again with their
+    communication held as the replay says (`<out>/delay_plan.json`, emulate/holds.py), and their
+    measured wall-clock iteration is reported beside the virtual figure."""
     pace: Optional[bool] = None
-    """Run the sandboxes with each collective holding the device stream for the wait a ghost-only
-    replay computes for it (default: on GPU). A real rank's host keeps launching while its NCCL
+    """Run the sandboxes with each collective holding the device stream as a ghost-only replay says
+    (emulate/holds.py; default: on GPU where Triton is installed). A real rank's host keeps launching while its NCCL
     kernel waits; a sandbox whose collectives end at once has no such slack, and in a launch-bound
     job its measured compute then includes device idle the real job does not have. Nothing changes
     on CPU (a sleep there holds the host too), and the iteration time is still computed."""

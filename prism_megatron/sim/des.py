@@ -33,6 +33,7 @@ from prism_megatron.comm.cost import CostModel, Placement
 from prism_megatron.graph.model import NO_PEER, ExecutionGraph, NodeKind, RoleGraph
 from prism_megatron.sim.classes import initial_labels, rank_classes
 from prism_megatron.sim.sharing import TOLERANCE_S, extra_times
+from prism_megatron.util import gc_paused
 
 _UNMATCHED = frozenset({"other"})
 MAX_SHARING_PASSES = 8
@@ -224,6 +225,10 @@ class Simulator:
     def run(self, keep_timelines: tuple[int, ...] = (), causes: bool = False) -> SimResult:
         """Replay one iteration; `keep_timelines`: ranks whose (post, fin) per node are kept;
         `causes`: keep who waited for whom (`SimResult.causes`)."""
+        with gc_paused():
+            return self._run(keep_timelines, causes)
+
+    def _run(self, keep_timelines: tuple[int, ...], causes: bool) -> SimResult:
         start_wall = time.perf_counter()
         class_of_rank = self._classes()
         n_classes = int(class_of_rank.max()) + 1

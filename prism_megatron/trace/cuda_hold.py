@@ -8,7 +8,10 @@ time, computes the end from the anchors' ends that earlier holds of the iteratio
 buffer, writes its own, and (where the stream is held) spins until the latest end of the operations
 issued with it.
 The spinning kernel holds the stream as an NCCL kernel waiting for its peers does, while other
-streams run on. The plan's rows are on the device from the start, so a hold costs one launch.
+streams run on. The plan's rows are on the device from the start, so a hold costs one launch. An
+overlapped operation waited for on another stream than it was issued on has its plan waited for
+first; a plan that reads an anchor planned on another stream is not ordered after it (the holds of
+megatron's and DeepSpeed's communication are issued on one stream).
 
 Triton writes the kernel (it reads the timer with inline PTX). Its integer arguments are not
 specialized, so no hold compiles a new variant in the middle of a run.
@@ -73,7 +76,11 @@ class DeviceHolds:
         import torch
 
         if triton is None:
-            raise RuntimeError("realtime emulation and pacing on GPU need Triton (pip install triton)")
+            from prism_megatron.config.schema import ConfigError
+
+            raise ConfigError("emulation.clock=realtime (and pacing) on GPU hold the stream with a Triton "
+                              "kernel: pip install triton, or run the emulation with --clock virtual "
+                              "--pace off")
         n = len(rows)
         self.start, self.never, self.acc = n, n + 1, n + 2
         self.terms = max([len(row[1]) for row in rows if row is not None] + [1])
@@ -89,6 +96,8 @@ class DeviceHolds:
         self.rows = torch.tensor(table, dtype=torch.int64, device=device)
         self.ends = torch.full((n + 5,), NEVER, dtype=torch.int64, device=device)
         self.ends[self.acc:] = 0
+        self._torch = torch
+        self._planned: dict[int, tuple] = {}  # overlapped ordinal -> (its plan's stream, an event after it)
 
     def _launch(self, row: int, out: int, lo: int, hi: int, plan: bool, spin: bool) -> None:
         _hold_kernel[(1,)](self.ends, self.rows, row, out, lo, hi, self.acc, TERMS=self.terms, PLAN=plan,
@@ -99,12 +108,26 @@ class DeviceHolds:
 
     def hold(self, ordinals: Sequence[int], spin: bool) -> None:
         """Plan the ends of `ordinals` (issued together) and, with `spin`, hold the stream until the
-        latest."""
+        latest. Without `spin` (overlapped operations) an event after the plan lets a wait on another
+        stream read it in order."""
         last = len(ordinals) - 1
         for j, k in enumerate(ordinals):
             self._launch(k, k, ordinals[0], k, True, spin and j == last)
+        if not spin:
+            stream = self._torch.cuda.current_stream()
+            event = self._torch.cuda.Event()
+            event.record(stream)
+            for k in ordinals:
+                self._planned[k] = (stream, event)
 
     def wait(self, ordinals: Sequence[int]) -> None:
+        """Hold the current stream until the planned ends of `ordinals`; planned on another stream,
+        their plan is waited for first (a wait on a Work makes the same dependency)."""
+        stream = self._torch.cuda.current_stream()
+        for k in ordinals:
+            planned = self._planned.pop(k, None)
+            if planned is not None and planned[0] != stream:
+                stream.wait_event(planned[1])
         self._launch(0, 0, min(ordinals), max(ordinals), False, True)
 
     def report(self) -> dict:
