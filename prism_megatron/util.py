@@ -96,8 +96,9 @@ def prepare_process(device: str) -> None:
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Cyclic garbage collection off for a block that builds millions of small acyclic objects (a
-    replay and its causes): each collection walks every live object, and a replay of 8192 ranks with
-    64 microbatches ran several times slower with it on."""
+    replay and its causes), where each collection would walk every live object. On a quiet 2-core VM
+    it changes a replay of 8192 ranks by no more than the run-to-run noise
+    (benchmarks/results/realtime-2026-12-02/holds_scale-vm.txt); it is there for large heaps."""
     was = gc.isenabled()
     gc.disable()
     try:
