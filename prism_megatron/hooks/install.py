@@ -28,7 +28,6 @@ import functools
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
