@@ -47,17 +47,23 @@ def host_copy(t: torch.Tensor):
 
 class RowPieces:
     """The n dim-0 pieces of `buffer` with `rows[g]` rows each, cut only when one is asked for
-    (torch.split makes all n views at once: 75 us for 64 of them on the 2-core VM)."""
+    (torch.split makes all n views at once: 75 us for 64 of them on the 2-core VM), and once: an
+    operation asks for its own piece several times, and a view costs the host microseconds."""
 
     def __init__(self, buffer: torch.Tensor, rows: list[int]) -> None:
         self.buffer, self.rows = buffer, rows
         self.starts = [0, *itertools.accumulate(rows)]
+        self._views: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, g: int) -> torch.Tensor:
-        return self.buffer.narrow(0, self.starts[g], self.rows[g]) if self.buffer.dim() else self.buffer
+        view = self._views.get(g)
+        if view is None:
+            view = self._views[g] = (self.buffer.narrow(0, self.starts[g], self.rows[g])
+                                     if self.buffer.dim() else self.buffer)
+        return view
 
 
 def even_pieces(output: torch.Tensor, n: int):

@@ -37,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 
+_MEMO_ROWS = 1 << 16
 KINDS = ("none", "uniform", "force-balanced", "zipf", "dirichlet", "hot-experts", "replay")
 _SPEC = re.compile(r"^\s*([a-z-]+)\s*(?:\(\s*([^)]*)\))?\s*$")
 _ARITY = {"none": 0, "uniform": 0, "force-balanced": 0, "zipf": 1, "dirichlet": 1, "hot-experts": 2}
@@ -58,6 +59,10 @@ class Imbalance:
     trace: Optional[str] = None
     """replay: the log path ({rank} for the source rank)."""
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """counts() per argument tuple: a pure function of them, asked for by every router call and every
+    count all-gather of a modelled run, where hashing the seed and building a generator and the
+    apportioning cost tens of microseconds of the host's time per call."""
 
     @classmethod
     def parse(cls, spec: str, seed: int = 1234, drift_per_iteration: float = 0.0) -> Imbalance:
@@ -99,7 +104,20 @@ class Imbalance:
     def counts(self, *, experts: int, tokens: int, topk: int, layer: int, microbatch: int = 0,
                iteration: int = 0, source: int = 0) -> np.ndarray:
         """Assignments per expert (int64, length `experts`, summing to tokens * topk, each <= tokens)
-        for `tokens` tokens of rank `source` in MoE layer `layer`."""
+        for `tokens` tokens of rank `source` in MoE layer `layer`. Read-only: the same array answers
+        the same arguments again."""
+        key = (experts, tokens, topk, layer, microbatch, iteration, source)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._counts(experts, tokens, topk, layer, microbatch, iteration, source)
+            out.setflags(write=False)
+            if len(self._memo) >= _MEMO_ROWS:  # a model drawn afresh every iteration: keep the latest
+                self._memo.clear()
+            self._memo[key] = out
+        return out
+
+    def _counts(self, experts: int, tokens: int, topk: int, layer: int, microbatch: int, iteration: int,
+                source: int) -> np.ndarray:
         if not 1 <= topk <= experts:
             raise ImbalanceError(f"top-{topk} routing over {experts} experts is impossible")
         total = tokens * topk

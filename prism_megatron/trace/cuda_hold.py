@@ -14,7 +14,10 @@ first; a plan that reads an anchor planned on another stream is not ordered afte
 megatron's and DeepSpeed's communication are issued on one stream).
 
 Triton writes the kernel (it reads the timer with inline PTX). Its integer arguments are not
-specialized, so no hold compiles a new variant in the middle of a run.
+specialized, and the three variants an iteration uses are compiled when the holds are set, so nothing
+compiles in the middle of a run. They are then launched through the compiled kernel's own launcher:
+`kernel[grid](...)` binds and specializes its arguments and looks up its cache at every call, which
+on the H200 host was the larger part of a hold's launch (py-spy, benchmarks/results/hostcost-2026-12-02).
 """
 
 from __future__ import annotations
@@ -98,8 +101,48 @@ class DeviceHolds:
         self.ends[self.acc:] = 0
         self._torch = torch
         self._planned: dict[int, tuple] = {}  # overlapped ordinal -> (its plan's stream, an event after it)
+        self._device = device
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._runners = {variant: self._compiled(*variant) for variant in ((True, False), (True, True),
+                                                                            (False, True))}
+        if not self._launcher_works():
+            self._runners = {variant: None for variant in self._runners}
+
+    def _compiled(self, plan: bool, spin: bool):
+        """The variant's launcher (`CompiledKernel[grid]`), compiled now; None where this Triton has
+        no such interface (the hold is then launched the plain way)."""
+        if self._raw_stream is None:
+            return None
+        try:
+            kernel = _hold_kernel.warmup(self.ends, self.rows, 0, 0, 0, 0, self.acc, TERMS=self.terms,
+                                         PLAN=plan, SPIN=spin, num_warps=1, grid=(1,))
+            if hasattr(kernel, "result"):  # an asynchronous compile
+                kernel = kernel.result()
+            return kernel[(1, 1, 1)]
+        except Exception:  # noqa: BLE001 - another Triton's internals: launch the plain way
+            return None
+
+    def _launcher_works(self) -> bool:
+        """Launch the iteration-start plan once through the launchers and read it back (one
+        synchronize, before the run): a launcher that does not write the plan is not used."""
+        if any(r is None for r in self._runners.values()):
+            return False
+        try:
+            self._launch(self.start, self.start, 0, 0, True, False)
+            self._launch(0, 0, self.never, self.never, False, True)  # a wait for nothing
+            written = int(self.ends[self.start].item()) != NEVER
+        except Exception:  # noqa: BLE001 - see `_compiled`
+            written = False
+        self.ends[self.start] = NEVER
+        self.ends[self.acc:] = 0
+        return written
 
     def _launch(self, row: int, out: int, lo: int, hi: int, plan: bool, spin: bool) -> None:
+        runner = self._runners.get((plan, spin))
+        if runner is not None:
+            runner(self.ends, self.rows, row, out, lo, hi, self.acc, self.terms, plan, spin,
+                   stream=self._raw_stream(self._device))
+            return
         _hold_kernel[(1,)](self.ends, self.rows, row, out, lo, hi, self.acc, TERMS=self.terms, PLAN=plan,
                            SPIN=spin, num_warps=1)
 
