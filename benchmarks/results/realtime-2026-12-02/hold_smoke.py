@@ -65,14 +65,21 @@ for us in (10, 100, 1000):
     out[f"hold_{us}us_measured_us_median"] = statistics.median(got[5:])
     out[f"hold_{us}us_report"] = h.report()
 
-# 4. host cost per hold launch (no wait: self 0, the device idle)
+# 4. host cost per hold launch (no wait: self 0, the device idle), through the compiled kernel's
+#    launcher (since 2026-12-02, session 26) and the plain `kernel[grid](...)` way, median of 5 rounds
 h = DeviceHolds([(0.0, ((-1, 0.0),))] * 1000)
-h.begin()
-torch.cuda.synchronize()
-t0 = time.perf_counter()
-for k in range(1000):
-    h.hold([k], True)
-host = time.perf_counter() - t0
-torch.cuda.synchronize()
-out["host_us_per_hold"] = host / 1000 * 1e6
+out["launcher_in_use"] = all(r is not None for r in h._runners.values())
+fast = dict(h._runners)
+for name, runners in (("host_us_per_hold", fast), ("host_us_per_hold_plain", dict.fromkeys(fast))):
+    h._runners = runners
+    rounds = []
+    for _ in range(5):
+        h.begin()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k in range(1000):
+            h.hold([k], True)
+        rounds.append((time.perf_counter() - t0) / 1000 * 1e6)
+        torch.cuda.synchronize()
+    out[name] = statistics.median(rounds)
 print(json.dumps(out))
