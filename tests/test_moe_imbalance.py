@@ -83,3 +83,21 @@ def test_apportion_is_largest_remainder_with_a_cap():
 def test_bad_specs_say_what_is_expected(spec, message):
     with pytest.raises(ImbalanceError, match=message.replace("(", r"\(")):
         Imbalance.parse(spec)
+
+
+@pytest.mark.parametrize("spec", ["zipf(1.2)", "uniform", "dirichlet(0.5)", "force-balanced"])
+def test_counts_are_answered_again_from_the_memo_read_only_and_as_computed(spec):
+    """Every router call and count all-gather asks for counts: the same arguments give the same
+    (read-only) array, equal to a fresh computation; other arguments are not confused with them."""
+    model = Imbalance.parse(spec, seed=7)
+    kw = dict(experts=8, tokens=64, topk=2, layer=3, microbatch=1, iteration=2, source=5)
+    first = model.counts(**kw)
+    assert model.counts(**kw) is first
+    assert not first.flags.writeable
+    with pytest.raises(ValueError):
+        first[0] = 0
+    fresh = Imbalance.parse(spec, seed=7)._counts(8, 64, 2, 3, 1, 2, 5)
+    np.testing.assert_array_equal(first, fresh)
+    for change in ({"layer": 4}, {"microbatch": 0}, {"iteration": 3}, {"source": 6}, {"tokens": 32}):
+        other = model.counts(**{**kw, **change})
+        np.testing.assert_array_equal(other, Imbalance.parse(spec, seed=7).counts(**{**kw, **change}))

@@ -59,7 +59,7 @@ class Imbalance:
     trace: Optional[str] = None
     """replay: the log path ({rank} for the source rank)."""
     _tables: dict = field(default_factory=dict, compare=False, repr=False)
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """counts() per argument tuple: a pure function of them, asked for by every router call and every
     count all-gather of a modelled run, where hashing the seed and building a generator and the
     apportioning cost tens of microseconds of the host's time per call."""
