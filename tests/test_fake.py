@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_capture import _program  # what a rank does, strings resolved, timings left out
@@ -56,6 +57,7 @@ def captures(tmp_path_factory):
               f"emulation.execution={execution}"], tmp)
         summary = json.loads((tmp / f"{execution}.json").read_text())
         graphs[execution] = load_graph(summary["graph_path"])
+    graphs["fake_slices"] = tmp / "fake" / "slices"
     return graphs
 
 
@@ -72,6 +74,21 @@ def test_fake_and_real_capture_give_the_same_graph(captures, rank):
     # the allocator rounds every block to 512 bytes and reserves whole segments
     assert g_fake.peak_bytes >= g_real.peak_bytes and g_fake.peak_reserved_bytes >= g_fake.peak_bytes
     assert fake.meta["execution"] == "fake" and fake.meta["device"] == "fake:h200"
+
+
+def test_a_fake_class_takes_the_shorter_of_its_two_probes_node_by_node(captures):
+    """The two probes of a verified class ran one program against one cost model under fake
+    execution: each node lasts the shorter of their two measures (host work measured on a busy CPU
+    is only ever inflated), for both probes, so the class predicts one time."""
+    fake = captures["fake"]
+    for pp in range(fake.world.pp):
+        a, b = (g for r, g in fake.roles.items() if r.pp == pp)  # TP2: the class's two probes
+        assert a.source == b.source == "captured"
+        own = [load_graph(str(captures["fake_slices"] / f"rank{g.representative}.prism"), check=False)
+               for g in (a, b)]
+        least = np.minimum(*(next(iter(o.roles.values())).columns["duration_s"] for o in own))
+        np.testing.assert_array_equal(a.columns["duration_s"], least)
+        np.testing.assert_array_equal(b.columns["duration_s"], least)
 
 
 def _copy_slices_free(ops: list) -> list:

@@ -99,6 +99,12 @@ class RoleGraph:
             moe = dict(moe, layer=np.where(layer >= 0, layer + layer_shift, layer).astype(layer.dtype))
         return replace(self, role=role, representative=representative, source=source, moe=moe)
 
+    def with_durations(self, duration_s: np.ndarray) -> RoleGraph:
+        """A copy whose nodes last `duration_s` (one per node; the other arrays shared)."""
+        if len(duration_s) != self.num_nodes:
+            raise ValueError(f"{len(duration_s)} durations for a graph of {self.num_nodes} nodes")
+        return replace(self, columns=dict(self.columns, duration_s=np.asarray(duration_s, dtype="f8")))
+
     def remap_strings(self, mapping: np.ndarray) -> RoleGraph:
         """A copy whose string columns go through `mapping` (old index -> new index; -1 stays)."""
         def go(column: np.ndarray) -> np.ndarray:
