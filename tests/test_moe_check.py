@@ -91,3 +91,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     proc, _ = _check(tmp_path, *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_replayed_routing_reads_each_source_ranks_own_log(tmp_path):
+    """moe.imbalance=replay(...): the tokens a rank's experts receive add up each source rank's own
+    logged routing (a cache keyed without the source gave every source the first one's log)."""
+    from prism_megatron.config import load_config
+    from prism_megatron.moe.check import rank_tokens
+    from prism_megatron.world import VirtualWorld
+
+    experts, tokens, topk, layers, microbatches = 8, 32, 2, 2, 2
+    for rank in range(8):  # rank r routes its tokens to experts r and r + 1 (mod 8), every layer
+        rows = [{"layer": layer, "microbatch": mb, "iteration": 1,
+                 "routed_per_expert": [tokens if e in (rank % experts, (rank + 1) % experts) else 0
+                                       for e in range(experts)]}
+                for layer in range(1, layers + 1) for mb in range(microbatches)]
+        (tmp_path / f"load{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(["model=tiny_moe", "emulation.virtual_world_size=8", "parallel.tp=1", "parallel.pp=1",
+                       "parallel.ep=2", f"model.num_layers={layers}", "train.global_batch_size=16",
+                       "train.micro_batch_size=1", "train.iters=2", "train.device=cpu",
+                       f"moe.imbalance=replay({tmp_path}/load{{rank}}.jsonl)"])
+    world = VirtualWorld(world_size=8, tp=1, pp=1, ep=2)
+    table = rank_tokens(cfg, world)
+    assert cfg.model.num_experts == experts and cfg.model.moe_router_topk == topk
+    for rank in range(8):
+        lo = world.coords(rank)["ep"] * (experts // 2)
+        sources = world.group(rank, "ep")
+        want = sum(sum(tokens for e in (s % experts, (s + 1) % experts) if lo <= e < lo + experts // 2)
+                   for s in sources)
+        assert (table[rank] == want).all(), (rank, sources, table[rank].tolist(), want)

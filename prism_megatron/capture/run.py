@@ -13,9 +13,10 @@ roles) before it is written atomically to `<out>/graph.prism`.
 Under fake execution the two probes of a verified class ran the same program against the same
 kernel-cost model: their durations differ only by what this CPU did to the host work measured between
 ops (its CPU time, which a busy or throttled machine inflates and nothing deflates). Each node then
-lasts the shorter of the two probes' measures, for both probes and every role inferred from them. One
-such burst in a GPT-175B capture on the 2-core VM charged 70 ms to a single attention backward of one
-probe, and the stage it stood for came out 112 ms (12 %) slower than its identical neighbours.
+lasts the shorter of the two probes' measures, for both probes and every role inferred from them
+(start times, spans and the memory timeline stay each probe's own). One such burst in a GPT-175B
+capture on the 2-core VM charged 70 ms to a single attention backward of one probe, and the stage it
+stood for came out 112 ms (12 %) slower than its identical neighbours.
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class RoleGraph:
         return replace(self, role=role, representative=representative, source=source, moe=moe)
 
     def with_durations(self, duration_s: np.ndarray) -> RoleGraph:
-        """A copy whose nodes last `duration_s` (one per node; the other arrays shared)."""
+        """A copy whose nodes last `duration_s` (one per node; the other arrays shared). Start times,
+        spans and the memory timeline stay those of this graph's own clock: the replay reads
+        durations, while a trace drawn from `start_s` no longer meets end to end."""
         if len(duration_s) != self.num_nodes:
             raise ValueError(f"{len(duration_s)} durations for a graph of {self.num_nodes} nodes")
         return replace(self, columns=dict(self.columns, duration_s=np.asarray(duration_s, dtype="f8")))

@@ -53,7 +53,8 @@ def rank_tokens(cfg: PrismConfig, world: VirtualWorld) -> np.ndarray:
     cache: dict[tuple, np.ndarray] = {}
 
     def counts(layer: int, mb: int, source: int) -> np.ndarray:
-        key = (layer, mb, source) if model.kind in ("uniform", "dirichlet") else (layer, mb)
+        # (replay reads each source's own log)
+        key = (layer, mb, source) if model.depends_on_source else (layer, mb)
         if key not in cache:
             cache[key] = model.counts(experts=experts, tokens=tokens, topk=topk, layer=layer,
                                       microbatch=mb, iteration=iteration, source=source)

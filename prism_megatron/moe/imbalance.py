@@ -37,7 +37,8 @@ from typing import Optional
 
 import numpy as np
 
-_MEMO_ROWS = 1 << 16
+_MEMO_ROWS = 1 << 14
+"""Entries of `Imbalance.counts`' memo (at 256 experts, 32 MiB)."""
 KINDS = ("none", "uniform", "force-balanced", "zipf", "dirichlet", "hot-experts", "replay")
 _SPEC = re.compile(r"^\s*([a-z-]+)\s*(?:\(\s*([^)]*)\))?\s*$")
 _ARITY = {"none": 0, "uniform": 0, "force-balanced": 0, "zipf": 1, "dirichlet": 1, "hot-experts": 2}
@@ -106,12 +107,15 @@ class Imbalance:
         """Assignments per expert (int64, length `experts`, summing to tokens * topk, each <= tokens)
         for `tokens` tokens of rank `source` in MoE layer `layer`. Read-only: the same array answers
         the same arguments again."""
-        key = (experts, tokens, topk, layer, microbatch, iteration, source)
+        # what the model does not read is not in the key: a fixed model answers every iteration
+        # and every source from one entry
+        key = (experts, tokens, topk, layer, microbatch, iteration if self.varies_per_iteration else 0,
+               source if self.depends_on_source else 0)
         out = self._memo.get(key)
         if out is None:
             out = self._counts(experts, tokens, topk, layer, microbatch, iteration, source)
             out.setflags(write=False)
-            if len(self._memo) >= _MEMO_ROWS:  # a model drawn afresh every iteration: keep the latest
+            if len(self._memo) >= _MEMO_ROWS:  # a model drawn afresh every iteration: start over
                 self._memo.clear()
             self._memo[key] = out
         return out

@@ -111,14 +111,12 @@ class DeviceHolds:
     def _compiled(self, plan: bool, spin: bool):
         """The variant's launcher (`CompiledKernel[grid]`), compiled now; None where this Triton has
         no such interface (the hold is then launched the plain way)."""
-        if self._raw_stream is None:
-            return None
         try:
             kernel = _hold_kernel.warmup(self.ends, self.rows, 0, 0, 0, 0, self.acc, TERMS=self.terms,
                                          PLAN=plan, SPIN=spin, num_warps=1, grid=(1,))
             if hasattr(kernel, "result"):  # an asynchronous compile
                 kernel = kernel.result()
-            return kernel[(1, 1, 1)]
+            return None if self._raw_stream is None else kernel[(1, 1, 1)]
         except Exception:  # noqa: BLE001 - another Triton's internals: launch the plain way
             return None
 
@@ -129,8 +127,11 @@ class DeviceHolds:
             return False
         try:
             self._launch(self.start, self.start, 0, 0, True, False)
-            self._launch(0, 0, self.never, self.never, False, True)  # a wait for nothing
             written = int(self.ends[self.start].item()) != NEVER
+            self.ends[self.start] = NEVER
+            self._launch(self.start, self.start, self.start, self.start, True, True)  # plans, no spin
+            self._launch(0, 0, self.never, self.never, False, True)  # a wait for nothing
+            written = written and int(self.ends[self.start].item()) != NEVER
         except Exception:  # noqa: BLE001 - see `_compiled`
             written = False
         self.ends[self.start] = NEVER
