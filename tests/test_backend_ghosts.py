@@ -111,3 +111,17 @@ def test_a_mirror_sum_with_one_real_member_is_n_times_the_local_tensor_bit_for_b
     factor = policy._factors[(n, dtype)]
     assert (factor is None) == (dtype is torch.bfloat16 and n == 257)
     assert factor is None or (factor.device.type == "cpu" and factor.dim() == 0)
+
+
+@pytest.mark.parametrize("have,rows", [(3, 7), (3, 9), (5, 2), (4, 4), (1, 6)])
+def test_a_mirror_slot_of_another_length_repeats_the_source_rows_in_order(have, rows):
+    """An all-to-all ghost slot longer or shorter than the mirrored member's piece: its rows are the
+    source's rows repeated from the first, truncated (at most two copies, however many repeats)."""
+    source = torch.arange(have * 2, dtype=torch.float32).reshape(have, 2)
+    dst = torch.full((rows, 2), -1.0)
+    GhostPolicy().fill(dst, source, None)
+    want = torch.stack([source[i % have] for i in range(rows)])
+    assert torch.equal(dst, want)
+    flat = torch.full((rows * 2 + 1,), -1.0)  # other trailing dims: tiled flat
+    GhostPolicy().fill(flat, source, None)
+    assert torch.equal(flat, source.reshape(-1).repeat(rows + 1)[:rows * 2 + 1])

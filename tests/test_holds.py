@@ -131,3 +131,74 @@ def test_which_operations_overlap_and_a_plan_round_trips(tmp_path):
     with pytest.raises(KeyError):
         read_plan(str(tmp_path / "plan.json"), 6)
     assert all(math.isfinite(h.self_s) and all(math.isfinite(g) for _, g in h.terms) for h in plan)
+
+
+def _run_with_book(g, plan, extra_s: float, compensate: bool = True) -> tuple[float, object]:
+    """`_run_with_holds` through the clocks' own book (trace/clock.py's HoldBook) with each
+    operation stamped where it begins and its local part `extra_s` longer than recorded (the
+    backend's host work, past what the replay gives it). Unlike `_run_with_holds`, an operation ends
+    no earlier than its issue. `compensate=False`: the debt is forgiven at once, as holds were before
+    it was kept (every overrun stays in the wall). Returns the iteration's end and the book."""
+    from prism_megatron.trace.clock import HoldBook
+
+    book = HoldBook([(h.self_s, h.terms, h.transfer_s) for h in plan])
+    book.begin(0.0)
+    cols = g.columns
+    kind, stream, dur = cols["kind"].tolist(), cols["stream"].tolist(), cols["duration_s"].tolist()
+    p2p = (cols["peer_delta"] != NO_PEER).tolist()
+    post, fin = [0.0] * len(kind), [0.0] * len(kind)
+    ordinal_of, waited = {}, set()
+    free = 0.0
+    for i in range(len(kind)):
+        ready = free if kind[i] == 0 else 0.0
+        deps = g.dep_idx[g.dep_ptr[i]:g.dep_ptr[i + 1]].tolist()
+        for d in deps:
+            same_p2p = kind[i] != 0 and p2p[i] and p2p[d] and stream[d] == stream[i]
+            if not (kind[i] == 0 and kind[d] != 0 and plan[ordinal_of[d]].at_wait):
+                ready = max(ready, post[d] if same_p2p else fin[d])
+        if kind[i] == 0:  # waits for overlapped operations: held to their planned ends from here
+            for d in deps:
+                if kind[d] != 0 and plan[ordinal_of[d]].at_wait and d not in waited:
+                    waited.add(d)
+                    fin[d] = max(ready, book.goal([ordinal_of[d]], ready))
+                ready = max(ready, fin[d])
+            fin[i] = free = ready + dur[i]
+            continue
+        k = ordinal_of[i] = len(ordinal_of)
+        post[i] = ready
+        book.stamp(k, ready)
+        entry = ready + dur[i] + extra_s
+        book.plan([k], entry)
+        if not compensate:
+            book.debt = 0.0
+        if plan[k].at_wait:  # until it is waited for, what follows on its stream sees its planned end
+            fin[i] = max(entry, book.ends[k] + book.debt)
+        else:
+            fin[i] = max(entry, book.goal([k], entry))
+            free = max(free, fin[i])
+    return max(fin), book
+
+
+@pytest.mark.parametrize("rank", [0, 5, 13])
+def test_the_backends_own_time_is_paid_back_out_of_later_holds(rank):
+    """An operation whose local part runs past its planned end runs up a debt that later holds pay
+    back: the iteration ends at the replay's end plus what is left of the debt, exactly, and no later
+    than when every overrun stays in the wall. Here even the recorded local parts of some operations
+    outlast their modelled transfers."""
+    world = VirtualWorld(world_size=16, tp=2, pp=4)
+    graph = synthetic_graph(world, microbatches=4, optimizer_s=2e-3, pp_bytes=64 << 20)
+    mine = graph.graph_of(rank)
+    replay = Simulator(graph, COST, rank_graphs={rank: mine}).run(causes=True)
+    plan = holds(replay, rank, mine)
+    truth = replay.rank_times()[rank]
+    assert all(h.transfer_s is not None for h in plan)
+    for extra in (0.0, 2 * max(h.transfer_s for h in plan)):  # then every operation overruns
+        end, book = _run_with_book(mine, plan, extra)
+        assert end == pytest.approx(truth + book.accrued_s - book.absorbed_s, rel=1e-9)
+        kept, _ = _run_with_book(mine, plan, extra, compensate=False)
+        assert truth <= end <= kept
+        if extra:  # (a last stage waits on ghost chains from the iteration's start anyway: equal)
+            assert book.absorbed_s > 0 and (end < kept or rank == 13)
+        unstamped, again = _run_with_book(mine, [h._replace(transfer_s=None) for h in plan], extra)
+        if not extra:  # with the recorded local parts, the stamp changes nothing
+            assert unstamped == pytest.approx(end, rel=1e-12) and again.accrued_s == pytest.approx(book.accrued_s)

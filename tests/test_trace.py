@@ -432,6 +432,25 @@ def test_a_hold_ends_when_the_later_of_the_sandbox_and_its_ghosts_arrives():
     assert clock.delay_report()["count"] == 2
 
 
+def test_the_backends_own_time_past_a_stamped_begin_is_paid_back_by_the_next_hold():
+    """An operation stamped where it begins whose local part (1 ms: two marks) outlasts its modelled
+    transfer (0.5 ms) is not held and leaves 0.5 ms of debt; the next operation's hold, 2 ms past its
+    issue, pays it back and ends 0.5 ms early: the iteration keeps the replay's length."""
+    clock = FakeClock()
+    rec = Recorder(clock, lambda: 0)
+    rec.inject_holds([Hold(-0.5e-3, (), False, 0.5e-3), Hold(2e-3, (), False, 3e-3)])
+    rec.begin_iteration()
+    rec.enter("attention")
+    rec.wait_end(rec.wait_begin(_comm(rec, group="tp0")))
+    assert clock.held_until[-1] == pytest.approx(clock.t - 1e-3)  # issued past its end: not held
+    begin = clock.t + 1e-3  # the next operation begins at its segment's cut
+    rec.wait_end(rec.wait_begin(_comm(rec, group="tp0")))
+    assert clock.held_until[-1] == pytest.approx(begin + 3e-3 - 0.5e-3)
+    report = clock.delay_report()
+    assert report["overhead_accrued_s"] == pytest.approx(0.5e-3)
+    assert report["overhead_absorbed_s"] == pytest.approx(0.5e-3)
+
+
 def test_median_selection_takes_the_steady_timed_iteration_of_median_length():
     clock = StepClock()
     rec = Recorder(clock, lambda: 0, two_pass=True)
@@ -546,6 +565,6 @@ def test_hold_book_plans_the_later_of_own_and_ghost_ends():
     assert book.plan([2], 12.5) == pytest.approx(12.7)   # no ghost
     assert book.plan([3], 12.0) == pytest.approx(12.4)   # anchored on operation 1's end
     assert book.plan([3], 11.0) == pytest.approx(12.4)   # (the later of two paths: 12.0 from the start)
-    assert book.goal([0, 1, 2]) == pytest.approx(12.7)
+    assert book.goal([0, 1, 2], 12.5) == pytest.approx(12.7)
     book.begin(20.0)
     assert book.plan([1], 20.0) == pytest.approx(20.1)   # a new iteration: op 0 not planned yet

@@ -205,9 +205,14 @@ def _tile_into(dst: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _tile_rows(dst: torch.Tensor, source: torch.Tensor) -> None:
+    """dst's rows are source's, repeated: at most two copies (the whole repeats as one broadcast
+    copy, then the rest), not one per repeat: on GPU each copy is a launch of host time, and an
+    imbalanced all-to-all gives a ghost's slot many times the mirrored member's rows."""
     rows, have = dst.shape[0], source.shape[0]
-    start = 0
-    while start < rows:
-        take = min(have, rows - start)
-        dst[start:start + take].copy_(source[:take])
-        start += take
+    if have >= rows:
+        dst.copy_(source[:rows])
+        return
+    whole = rows // have
+    dst.narrow(0, 0, whole * have).unflatten(0, (whole, have)).copy_(source.unsqueeze(0).expand(whole, *source.shape))
+    if rows > whole * have:
+        dst.narrow(0, whole * have, rows - whole * have).copy_(source[:rows - whole * have])

@@ -21,6 +21,16 @@ So each operation is held until the later of two times, both taken on the sandbo
 Replayed with the replay's own figures, the rule gives back every end the replay computed. A
 synchronous operation (the next compute on its stream is the first to wait for it) is held at its
 issue; an overlapped one has its end planned at its issue and is held where it is waited for.
+
+The emulator's own time. Between an operation's begin and its issue the backend works on the host
+(ghost folding, the recorder's marks): a few hundred microseconds where a real NCCL launch takes tens.
+Where the device waits for that host (after a device-to-host synchronization, as MoE dispatchers make)
+the operation runs past the end the rule gives, and that overrun is the emulator's, not the job's. The
+clocks (trace/clock.py, trace/cuda_hold.py) keep it as a debt: they plan every end on the job's
+timeline (the stream's time less the debt) and pay the debt back out of later holds, which then spin
+that much less, so the device idles as long as in the replay wherever later holds leave room. Only
+spins are shortened, never compute. The debt starts at zero each iteration; what is left at the
+iteration's end shows in its wall, and the clocks report what was run up and paid back.
 """
 
 from __future__ import annotations
@@ -58,6 +68,11 @@ class Hold(NamedTuple):
     ghost takes part."""
     at_wait: bool
     """Held where the operation is waited for (it overlaps the compute after its issue)."""
+    transfer_s: Optional[float] = None
+    """The modelled transfer (the replay's end of the operation less its start). Where the clock knows
+    when the operation began on the stream (a stamp, trace/clock.py), its own part is that begin plus
+    this, whatever the backend's local work took; `self_s` is that with the recorded local part
+    taken off, for where it does not."""
 
 
 def overlapped(g: RoleGraph) -> np.ndarray:
@@ -121,7 +136,8 @@ def _holds(result: SimResult, rank: int, g: RoleGraph) -> list[Optional[Hold]]:
                 anchor = START  # (an overlapped one): held at its replayed time instead
             ghost_s = at + transfer - paths.end[anchor]
             rows[anchor] = max(rows.get(anchor, -math.inf), ghost_s)
-        out.append(Hold(transfer - float(local[i]), tuple(sorted(rows.items())), bool(at_wait[ordinal])))
+        out.append(Hold(transfer - float(local[i]), tuple(sorted(rows.items())), bool(at_wait[ordinal]),
+                        transfer))
     return out
 
 
@@ -208,7 +224,8 @@ def write_plan(path: Path, plans: dict[int, list[Optional[Hold]]]) -> None:
     from prism_megatron.util import atomic_write_text
 
     atomic_write_text(str(path), json.dumps({"holds": {
-        str(r): [None if h is None else [h.self_s, [list(t) for t in h.terms], h.at_wait] for h in plan]
+        str(r): [None if h is None else [h.self_s, [list(t) for t in h.terms], h.at_wait, h.transfer_s]
+                 for h in plan]
         for r, plan in plans.items()}}))
 
 
@@ -216,4 +233,5 @@ def read_plan(path: str, rank: int) -> list[Optional[Hold]]:
     """`rank`'s holds from a plan file; ValueError, KeyError or OSError where it has none."""
     rows = json.loads(Path(path).read_text())["holds"][str(rank)]
     return [None if row is None else Hold(float(row[0]), tuple((int(a), float(g)) for a, g in row[1]),
-                                          bool(row[2])) for row in rows]
+                                          bool(row[2]), None if len(row) < 4 or row[3] is None else float(row[3]))
+            for row in rows]

@@ -17,12 +17,14 @@ import numpy as np
 
 class DelayAccount:
     """What the injected holds were asked for (their goal less the time they began) and what they
-    lasted."""
+    lasted; and the emulator's own time they ran up and paid back (emulate/holds.py)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.planned_s = 0.0
         self.measured_s = 0.0
+        self.accrued_s = 0.0
+        self.absorbed_s = 0.0
 
     def add(self, planned_s: float, measured_s: float) -> None:
         self.count += 1
@@ -30,42 +32,72 @@ class DelayAccount:
         self.measured_s += measured_s
 
     def report(self) -> dict:
-        """{"count", "planned_s", "measured_s", "error_pct"}."""
+        """{"count", "planned_s", "measured_s", "error_pct", "overhead_accrued_s",
+        "overhead_absorbed_s"}."""
         return {"count": self.count, "planned_s": self.planned_s, "measured_s": self.measured_s,
-                "error_pct": (self.measured_s / self.planned_s - 1) * 100 if self.planned_s > 0 else None}
+                "error_pct": (self.measured_s / self.planned_s - 1) * 100 if self.planned_s > 0 else None,
+                "overhead_accrued_s": self.accrued_s, "overhead_absorbed_s": self.absorbed_s}
 
 
 class HoldBook:
-    """An iteration's holds on one clock (emulate/holds.py): `rows[k]` = (self_s, terms) of the k-th
-    communication operation, None where it is not held. `plan` sets an operation's end to
-    max(now + self_s, max over its terms (anchor, ghost_s) of (end of anchor + ghost_s)); anchor -1
-    is the iteration's start."""
+    """An iteration's holds on one clock (emulate/holds.py): `rows[k]` = (self_s, terms[, transfer_s])
+    of the k-th communication operation, None where it is not held.
+
+    Times are kept on the job's timeline: the clock's time less `debt`, the emulator's own time run
+    up so far this iteration (emulate/holds.py). `plan` sets an operation's end to the latest of its
+    own part (its stamped begin plus transfer_s, or without a stamp `now + self_s`) and each term
+    (anchor, ghost_s) as (end of anchor + ghost_s), anchor -1 being the iteration's start; an
+    operation issued past that end runs up the debt by the difference. `goal` is where a hold of
+    `ordinals` spins to on the clock, after paying back what it can of the debt."""
 
     def __init__(self, rows: Sequence[Optional[tuple]]) -> None:
-        self.rows = list(rows)
+        self.rows = [None if row is None else (row[0], row[1], row[2] if len(row) > 2 else None)
+                     for row in rows]
         self.ends: dict[int, float] = {}
+        self.begins: dict[int, float] = {}
         self.start = 0.0
+        self.debt = 0.0
+        self.accrued_s = 0.0
+        self.absorbed_s = 0.0
 
     def begin(self, now: float) -> None:
         self.start = now
+        self.debt = 0.0
         self.ends.clear()
+        self.begins.clear()
+
+    def stamp(self, k: int, now: float) -> None:
+        """Operation k began at `now` (on the clock)."""
+        self.begins[k] = now
 
     def plan(self, ordinals, now: float) -> float:
-        """Plan the ends of `ordinals`; returns the latest."""
-        goal = -math.inf
+        """Plan the ends of `ordinals` (issued together at `now`); returns the latest, on the clock
+        (before any payback: `goal` gives where a hold spins to)."""
         for k in ordinals:
-            self_s, terms = self.rows[k]
-            end = now + self_s
+            self_s, terms, transfer_s = self.rows[k]
+            entry = now - self.debt  # on the job's timeline
+            begin = self.begins.pop(k, None)
+            end = entry + self_s if begin is None or transfer_s is None else begin - self.debt + transfer_s
             for anchor, ghost_s in terms:
                 base = self.start if anchor < 0 else self.ends.get(anchor)
                 if base is not None:
                     end = max(end, base + ghost_s)
+            if entry > end:  # the backend's own work ran past the end: the emulator's time
+                self.debt += entry - end
+                self.accrued_s += entry - end
             self.ends[k] = end
-            goal = max(goal, end)
-        return goal
+        return max(self.ends[k] for k in ordinals) + self.debt
 
-    def goal(self, ordinals) -> float:
-        return max((self.ends.get(k, -math.inf) for k in ordinals), default=-math.inf)
+    def goal(self, ordinals, now: float) -> float:
+        """The clock time to hold `ordinals` to from `now`: their latest end, less what of the debt
+        the hold pays back (all of it, or the whole hold)."""
+        goal = max((self.ends.get(k, -math.inf) for k in ordinals), default=-math.inf)
+        slack = goal - (now - self.debt)
+        if slack > 0 and self.debt > 0:
+            paid = min(self.debt, slack)
+            self.debt -= paid
+            self.absorbed_s += paid
+        return goal + self.debt
 
 
 class HostHolds:
@@ -79,19 +111,27 @@ class HostHolds:
     def hold_iteration(self) -> None:
         self._book.begin(self.now())
 
+    def stamp(self, ordinal: int) -> None:
+        """The held operation `ordinal` begins now."""
+        self._book.stamp(ordinal, self.now())
+
     def hold(self, ordinals, spin: bool) -> None:
         """Plan the ends of `ordinals` (held operations issued together) and, with `spin`, hold the
         stream until the latest of them."""
-        goal = self._book.plan(ordinals, self.now())
+        now = self.now()
+        self._book.plan(ordinals, now)
         if spin:
-            self.wait_until(goal)
+            self.wait_until(self._book.goal(ordinals, now))
 
     def hold_wait(self, ordinals) -> None:
         """Hold the stream until the planned ends of `ordinals` (an overlapped operation's wait)."""
-        self.wait_until(self._book.goal(ordinals))
+        self.wait_until(self._book.goal(ordinals, self.now()))
 
     def delay_report(self) -> dict:
-        return self.delays.report()
+        report = self.delays.report()
+        if self._book is not None:
+            report.update(overhead_accrued_s=self._book.accrued_s, overhead_absorbed_s=self._book.absorbed_s)
+        return report
 
 
 class CpuClock(HostHolds):
@@ -152,14 +192,20 @@ class CudaClock:
             event = self._torch.cuda.Event(enable_timing=True)
             self._record(event)
             return event
+        event = self._event(enable_timing=True)
+        self._event.record(event, self._current_stream())
+        return event
+
+    def _current_stream(self) -> Any:
+        """The current stream, as a Stream object cached per stream id."""
+        if self._current is None:
+            return self._torch.cuda.current_stream()
         stream_id, device, device_type = self._current(self._torch.cuda.current_device())
         stream = self._streams.get(stream_id)
         if stream is None:
             stream = self._streams[stream_id] = self._torch.cuda.Stream(
                 stream_id=stream_id, device_index=device, device_type=device_type)
-        event = self._event(enable_timing=True)
-        self._event.record(event, stream)
-        return event
+        return stream
 
     def set_holds(self, rows: Sequence[Optional[tuple]]) -> None:
         """The iteration's holds go to the device: they run as kernels on the current stream
@@ -170,6 +216,13 @@ class CudaClock:
 
     def hold_iteration(self) -> None:
         self._holds.begin()
+
+    def stamp(self, ordinal: int) -> None:
+        """The held operation `ordinal` begins now: stamped on the device where the current stream has
+        nothing queued (the operation begins there now, and the host's work in the backend is device
+        idle time); elsewhere its begin is taken as its issue less its recorded local part."""
+        if self._holds is not None and self._current_stream().query():
+            self._holds.stamp(ordinal)
 
     def hold(self, ordinals, spin: bool) -> None:
         self._holds.hold(ordinals, spin)

@@ -7,6 +7,10 @@ kernel on the stream itself, on the device's global timer (`%globaltimer`, nanos
 time, computes the end from the anchors' ends that earlier holds of the iteration wrote to a device
 buffer, writes its own, and (where the stream is held) spins until the latest end of the operations
 issued with it.
+Where the stream had nothing queued when an operation began (the host was behind, as after a
+device-to-host synchronization), a one-thread kernel stamps that begin, and the operation's own part is
+its begin plus the modelled transfer; an operation issued past its planned end runs up the emulator's
+debt, which later holds pay back (emulate/holds.py). The kernel keeps the debt on the device.
 The spinning kernel holds the stream as an NCCL kernel waiting for its peers does, while other
 streams run on. The plan's rows are on the device from the start, so a hold costs one launch. An
 overlapped operation waited for on another stream than it was issued on has its plan waited for
@@ -41,6 +45,7 @@ NEVER = -(1 << 62)
 """The end of an operation not planned yet (every max with it keeps the other side)."""
 
 if triton is not None:
+    _NEVER = tl.constexpr(NEVER)  # a jitted function reads module globals only as constexpr
 
     @triton.jit
     def _now():
@@ -50,17 +55,34 @@ if triton is not None:
     @triton.jit(do_not_specialize=["row", "out", "lo", "hi", "acc"])
     def _hold_kernel(ends, rows, row, out, lo, hi, acc, TERMS: tl.constexpr, PLAN: tl.constexpr,
                      SPIN: tl.constexpr):
+        # ends: planned ends on the job's timeline (the timer less the debt); acc.. : the account
+        # (holds that waited, ns asked, ns held, ns of debt run up, ns paid back), the debt, then
+        # each operation's begin on the stream (a stamp, or NEVER)
         entry = _now()
-        if PLAN:  # rows[row] = (self ns, then (anchor slot, ghost ns) per term)
-            base = rows + (1 + 2 * TERMS) * row
-            end = entry + tl.load(base)
+        debt = tl.load(ends + acc + 5)
+        if PLAN:  # rows[row] = (self ns, transfer ns or NEVER, then (anchor slot, ghost ns) per term)
+            base = rows + (2 + 2 * TERMS) * row
+            transfer = tl.load(base + 1)
+            begin = tl.load(ends + acc + 6 + out)
+            stamped = (begin != _NEVER) & (transfer != _NEVER)
+            end = tl.where(stamped, begin - debt + transfer, entry - debt + tl.load(base))
             for t in tl.static_range(TERMS):
-                end = tl.maximum(end, tl.load(ends + tl.load(base + 1 + 2 * t)) + tl.load(base + 2 + 2 * t))
+                end = tl.maximum(end, tl.load(ends + tl.load(base + 2 + 2 * t)) + tl.load(base + 3 + 2 * t))
+            over = entry - debt - end
+            if over > 0:  # the backend's own work ran past the end: the emulator's time
+                debt = debt + over
+                tl.store(ends + acc + 3, tl.load(ends + acc + 3) + over)
             tl.store(ends + out, end)
         if SPIN:
             goal = tl.load(ends + lo)
             for k in range(lo + 1, hi + 1):
                 goal = tl.maximum(goal, tl.load(ends + k))
+            slack = goal - (entry - debt)
+            if (slack > 0) & (debt > 0):  # pay back what this hold can of the debt
+                paid = tl.minimum(debt, slack)
+                debt = debt - paid
+                tl.store(ends + acc + 4, tl.load(ends + acc + 4) + paid)
+            goal = goal + debt
             now = entry
             while now < goal:
                 now = _now()
@@ -68,12 +90,19 @@ if triton is not None:
                 tl.store(ends + acc, tl.load(ends + acc) + 1)
                 tl.store(ends + acc + 1, tl.load(ends + acc + 1) + (goal - entry))
                 tl.store(ends + acc + 2, tl.load(ends + acc + 2) + (now - entry))
+        tl.store(ends + acc + 5, debt)
+
+    @triton.jit(do_not_specialize=["slot"])
+    def _stamp_kernel(ends, slot):
+        tl.store(ends + slot, _now())
 
 
 class DeviceHolds:
     """An iteration's holds on the current CUDA stream. Device buffer `ends`: slot k the planned end
-    of operation k, then the iteration's start, a slot that is always NEVER (the anchor of an unused
-    term), and the account (holds that waited, ns asked, ns held)."""
+    of operation k (on the job's timeline: the timer less the debt, emulate/holds.py), then the
+    iteration's start, a slot that is always NEVER (the anchor of an unused term), the account (holds
+    that waited, ns asked, ns held, ns of the emulator's own time run up, ns of it paid back), the
+    debt, and slot n + 1 per operation: its begin on the stream where it was stamped, else NEVER."""
 
     def __init__(self, rows: Sequence[Optional[tuple]]) -> None:
         import torch
@@ -86,27 +115,33 @@ class DeviceHolds:
                               "--pace off")
         n = len(rows)
         self.start, self.never, self.acc = n, n + 1, n + 2
+        self.debt, self.begins = self.acc + 5, self.acc + 6
         self.terms = max([len(row[1]) for row in rows if row is not None] + [1])
         table = []
         for row in [*rows, None]:  # the last row is the iteration's start: its end is its entry
-            self_s, terms = row if row is not None else (0.0, ())
-            cells = [round(self_s * NS)]
+            self_s, terms = row[:2] if row is not None else (0.0, ())
+            transfer_s = row[2] if row is not None and len(row) > 2 else None
+            cells = [round(self_s * NS), NEVER if transfer_s is None else round(transfer_s * NS)]
             for anchor, ghost_s in terms:
                 cells += [self.start if anchor < 0 else int(anchor), round(ghost_s * NS)]
             cells += [self.never, 0] * (self.terms - len(terms))
             table.append(cells)
         device = torch.cuda.current_device()
         self.rows = torch.tensor(table, dtype=torch.int64, device=device)
-        self.ends = torch.full((n + 5,), NEVER, dtype=torch.int64, device=device)
-        self.ends[self.acc:] = 0
+        self.ends = torch.full((self.begins + n + 1,), NEVER, dtype=torch.int64, device=device)
+        self.ends[self.acc:self.begins] = 0
+        self._stamps = self.ends[self.begins:]  # views kept: the iteration's reset is two launches
+        self._debt = self.ends[self.debt:self.debt + 1]
         self._torch = torch
         self._planned: dict[int, tuple] = {}  # overlapped ordinal -> (its plan's stream, an event after it)
         self._device = device
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._runners = {variant: self._compiled(*variant) for variant in ((True, False), (True, True),
                                                                             (False, True))}
+        self._stamper = self._compiled_stamp()
         if not self._launcher_works():
             self._runners = {variant: None for variant in self._runners}
+            self._stamper = None
 
     def _compiled(self, plan: bool, spin: bool):
         """The variant's launcher (`CompiledKernel[grid]`), compiled now; None where this Triton has
@@ -120,10 +155,19 @@ class DeviceHolds:
         except Exception:  # noqa: BLE001 - another Triton's internals: launch the plain way
             return None
 
+    def _compiled_stamp(self):
+        try:
+            kernel = _stamp_kernel.warmup(self.ends, 0, num_warps=1, grid=(1,))
+            if hasattr(kernel, "result"):
+                kernel = kernel.result()
+            return None if self._raw_stream is None else kernel[(1, 1, 1)]
+        except Exception:  # noqa: BLE001 - see `_compiled`
+            return None
+
     def _launcher_works(self) -> bool:
         """Launch the iteration-start plan once through the launchers and read it back (one
         synchronize, before the run): a launcher that does not write the plan is not used."""
-        if any(r is None for r in self._runners.values()):
+        if any(r is None for r in self._runners.values()) or self._stamper is None:
             return False
         try:
             self._launch(self.start, self.start, 0, 0, True, False)
@@ -132,10 +176,13 @@ class DeviceHolds:
             self._launch(self.start, self.start, self.start, self.start, True, True)  # plans, no spin
             self._launch(0, 0, self.never, self.never, False, True)  # a wait for nothing
             written = written and int(self.ends[self.start].item()) != NEVER
+            self._stamper(self.ends, self.begins + self.start, stream=self._raw_stream(self._device))
+            written = written and int(self.ends[self.begins + self.start].item()) != NEVER
         except Exception:  # noqa: BLE001 - see `_compiled`
             written = False
         self.ends[self.start] = NEVER
-        self.ends[self.acc:] = 0
+        self.ends[self.acc:self.begins] = 0
+        self._stamps.fill_(NEVER)
         return written
 
     def _launch(self, row: int, out: int, lo: int, hi: int, plan: bool, spin: bool) -> None:
@@ -148,7 +195,18 @@ class DeviceHolds:
                            SPIN=spin, num_warps=1)
 
     def begin(self) -> None:
+        """A new iteration: no debt, no operation stamped, and its start planned."""
+        self._stamps.fill_(NEVER)
+        self._debt.zero_()
         self._launch(self.start, self.start, 0, 0, True, False)
+
+    def stamp(self, ordinal: int) -> None:
+        """Operation `ordinal` begins where the stream is now: a kernel writes the timer to its slot
+        (called where the stream has nothing queued, so the operation begins on the device now)."""
+        if self._stamper is not None:
+            self._stamper(self.ends, self.begins + ordinal, stream=self._raw_stream(self._device))
+        else:
+            _stamp_kernel[(1,)](self.ends, self.begins + ordinal, num_warps=1)
 
     def hold(self, ordinals: Sequence[int], spin: bool) -> None:
         """Plan the ends of `ordinals` (issued together) and, with `spin`, hold the stream until the
@@ -175,8 +233,10 @@ class DeviceHolds:
         self._launch(0, 0, min(ordinals), max(ordinals), False, True)
 
     def report(self) -> dict:
-        """{"count", "planned_s", "measured_s", "error_pct"}: holds that waited, what they were asked
-        to wait and what they waited, on the global timer."""
-        count, asked, held = (int(x) for x in self.ends[self.acc:].tolist())
+        """{"count", "planned_s", "measured_s", "error_pct", "overhead_accrued_s",
+        "overhead_absorbed_s"}: holds that waited, what they were asked to wait and what they waited,
+        on the global timer; the emulator's own time they ran up and paid back (emulate/holds.py)."""
+        count, asked, held, accrued, absorbed = (int(x) for x in self.ends[self.acc:self.debt].tolist())
         return {"count": count, "planned_s": asked / NS, "measured_s": held / NS,
-                "error_pct": (held / asked - 1) * 100 if asked > 0 else None}
+                "error_pct": (held / asked - 1) * 100 if asked > 0 else None,
+                "overhead_accrued_s": accrued / NS, "overhead_absorbed_s": absorbed / NS}

@@ -195,7 +195,7 @@ class Recorder:
         its issue, an overlapped one where it is waited for), so the run has the production duty
         cycle. The clock holds its stream and decides the ends on its own timeline."""
         self._holds = list(holds)
-        self.clock.set_holds([None if h is None else (h.self_s, h.terms) for h in holds])
+        self.clock.set_holds([None if h is None else (h.self_s, h.terms, h.transfer_s) for h in holds])
 
     def origin_s(self, iteration: int = -1) -> Optional[float]:
         """The host clock (perf_counter, one clock for every process of a machine) at the start of
@@ -236,6 +236,10 @@ class Recorder:
             ordinal = -1
             if it is not self.setup:
                 ordinal, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
+                holds = self._holds
+                if holds is not None and ordinal < len(holds) and holds[ordinal] is not None \
+                        and holds[ordinal].transfer_s is not None:
+                    self.clock.stamp(ordinal)  # its begin: what the backend's own work takes is the emulator's
             if self._unissued and self._unissued[0][0] is not it:
                 self._unissued = []
             self._unissued.append((it, len(it.nodes)))
