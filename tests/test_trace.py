@@ -451,6 +451,25 @@ def test_the_backends_own_time_past_a_stamped_begin_is_paid_back_by_the_next_hol
     assert report["overhead_absorbed_s"] == pytest.approx(0.5e-3)
 
 
+def test_operations_issued_together_run_up_the_debt_once_by_the_groups_latest_end():
+    """Two stamped operations issued together (a coalesced call) at 3.0, begun at 0.0 and 0.3 with
+    1.0 of transfer each: the group ends at 1.3 on the job's timeline, so it runs up 1.7 of debt
+    once, not once per operation, and a later hold pays it back out of its own spin."""
+    from prism_megatron.trace.clock import HoldBook
+
+    book = HoldBook([(0.0, (), 1.0), (0.0, (), 1.0), (5.0, (), 5.0)])
+    book.begin(0.0)
+    book.stamp(0, 0.0)
+    book.stamp(1, 0.3)
+    assert book.plan([0, 1], 3.0) == pytest.approx(3.0)  # on the clock: issued past its end
+    assert book.ends == {0: pytest.approx(1.0), 1: pytest.approx(1.3)}
+    assert book.debt == pytest.approx(1.7) and book.accrued_s == pytest.approx(1.7)
+    assert book.goal([0, 1], 3.0) == pytest.approx(3.0)  # no slack: nothing paid back, no hold
+    book.plan([2], 4.0)  # its own part: 4.0 - 1.7 + 5.0 on the job's timeline
+    assert book.goal([2], 4.0) == pytest.approx(4.0 + 5.0 - 1.7)
+    assert book.debt == 0.0 and book.absorbed_s == pytest.approx(1.7)
+
+
 def test_median_selection_takes_the_steady_timed_iteration_of_median_length():
     clock = StepClock()
     rec = Recorder(clock, lambda: 0, two_pass=True)

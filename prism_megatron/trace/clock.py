@@ -72,21 +72,24 @@ class HoldBook:
 
     def plan(self, ordinals, now: float) -> float:
         """Plan the ends of `ordinals` (issued together at `now`); returns the latest, on the clock
-        (before any payback: `goal` gives where a hold spins to)."""
+        (before any payback: `goal` gives where a hold spins to). The group is planned against the
+        debt it found, and runs it up once, by how far its issue is past the latest of its ends."""
+        entry = now - self.debt  # on the job's timeline
+        latest = -math.inf
         for k in ordinals:
             self_s, terms, transfer_s = self.rows[k]
-            entry = now - self.debt  # on the job's timeline
             begin = self.begins.pop(k, None)
             end = entry + self_s if begin is None or transfer_s is None else begin - self.debt + transfer_s
             for anchor, ghost_s in terms:
                 base = self.start if anchor < 0 else self.ends.get(anchor)
                 if base is not None:
                     end = max(end, base + ghost_s)
-            if entry > end:  # the backend's own work ran past the end: the emulator's time
-                self.debt += entry - end
-                self.accrued_s += entry - end
             self.ends[k] = end
-        return max(self.ends[k] for k in ordinals) + self.debt
+            latest = max(latest, end)
+        if entry > latest:  # the backend's own work ran past the group's end: the emulator's time
+            self.debt += entry - latest
+            self.accrued_s += entry - latest
+        return latest + self.debt
 
     def goal(self, ordinals, now: float) -> float:
         """The clock time to hold `ordinals` to from `now`: their latest end, less what of the debt

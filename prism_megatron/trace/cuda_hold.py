@@ -1,7 +1,8 @@
 """Holds on a CUDA stream, decided on the device (realtime emulation and pacing on GPU).
 
-A hold (emulate/holds.py) ends at max(now + self_s, end of each path's anchor + its ghost_s), where
-`now` is when the stream reaches it. On a GPU the host runs ahead of the stream and cannot know that
+A hold (emulate/holds.py) ends at max(own part, end of each path's anchor + its ghost_s), the own
+part being the operation's stamped begin plus its modelled transfer, or, unstamped, `now + self_s`
+where `now` is when the stream reaches the hold. On a GPU the host runs ahead of the stream and cannot know that
 time without a synchronize, which a real rank never does; so the decision is taken by a one-thread
 kernel on the stream itself, on the device's global timer (`%globaltimer`, nanoseconds): it reads the
 time, computes the end from the anchors' ends that earlier holds of the iteration wrote to a device
@@ -12,7 +13,8 @@ device-to-host synchronization), a one-thread kernel stamps that begin, and the 
 its begin plus the modelled transfer; an operation issued past its planned end runs up the emulator's
 debt, which later holds pay back (emulate/holds.py). The kernel keeps the debt on the device.
 The spinning kernel holds the stream as an NCCL kernel waiting for its peers does, while other
-streams run on. The plan's rows are on the device from the start, so a hold costs one launch. An
+streams run on. The plan's rows are on the device from the start, so a hold costs one launch (and
+an operation's begin a stream query, plus a launch where it is stamped). An
 overlapped operation waited for on another stream than it was issued on has its plan waited for
 first; a plan that reads an anchor planned on another stream is not ordered after it (the holds of
 megatron's and DeepSpeed's communication are issued on one stream).
@@ -56,23 +58,29 @@ if triton is not None:
     def _hold_kernel(ends, rows, row, out, lo, hi, acc, TERMS: tl.constexpr, PLAN: tl.constexpr,
                      SPIN: tl.constexpr):
         # ends: planned ends on the job's timeline (the timer less the debt); acc.. : the account
-        # (holds that waited, ns asked, ns held, ns of debt run up, ns paid back), the debt, then
-        # each operation's begin on the stream (a stamp, or NEVER)
+        # (holds that waited, ns asked, ns held, ns of debt run up, ns paid back), the debt, the debt
+        # the current group of operations (issued together: ordinals lo..out) found, then each
+        # operation's begin on the stream (a stamp, or NEVER)
         entry = _now()
         debt = tl.load(ends + acc + 5)
         if PLAN:  # rows[row] = (self ns, transfer ns or NEVER, then (anchor slot, ghost ns) per term)
+            if out == lo:  # the group's first: what it plans against
+                tl.store(ends + acc + 6, debt)
+            found = tl.load(ends + acc + 6)
             base = rows + (2 + 2 * TERMS) * row
             transfer = tl.load(base + 1)
-            begin = tl.load(ends + acc + 6 + out)
+            begin = tl.load(ends + acc + 7 + out)
             stamped = (begin != _NEVER) & (transfer != _NEVER)
-            end = tl.where(stamped, begin - debt + transfer, entry - debt + tl.load(base))
+            end = tl.where(stamped, begin - found + transfer, entry - found + tl.load(base))
             for t in tl.static_range(TERMS):
                 end = tl.maximum(end, tl.load(ends + tl.load(base + 2 + 2 * t)) + tl.load(base + 3 + 2 * t))
-            over = entry - debt - end
-            if over > 0:  # the backend's own work ran past the end: the emulator's time
-                debt = debt + over
-                tl.store(ends + acc + 3, tl.load(ends + acc + 3) + over)
             tl.store(ends + out, end)
+            latest = tl.load(ends + lo)  # the group so far: its issue past the latest end is the
+            for k in range(lo + 1, out + 1):  # emulator's time, run up once for the group (each
+                latest = tl.maximum(latest, tl.load(ends + k))  # launch of it sets it again)
+            again = found + tl.maximum(entry - found - latest, 0)
+            tl.store(ends + acc + 3, tl.load(ends + acc + 3) + (again - debt))
+            debt = again
         if SPIN:
             goal = tl.load(ends + lo)
             for k in range(lo + 1, hi + 1):
@@ -82,6 +90,7 @@ if triton is not None:
                 paid = tl.minimum(debt, slack)
                 debt = debt - paid
                 tl.store(ends + acc + 4, tl.load(ends + acc + 4) + paid)
+            tl.store(ends + acc + 5, debt)  # before the spin: a hold on another stream reads it meanwhile
             goal = goal + debt
             now = entry
             while now < goal:
@@ -90,7 +99,8 @@ if triton is not None:
                 tl.store(ends + acc, tl.load(ends + acc) + 1)
                 tl.store(ends + acc + 1, tl.load(ends + acc + 1) + (goal - entry))
                 tl.store(ends + acc + 2, tl.load(ends + acc + 2) + (now - entry))
-        tl.store(ends + acc + 5, debt)
+        else:
+            tl.store(ends + acc + 5, debt)
 
     @triton.jit(do_not_specialize=["slot"])
     def _stamp_kernel(ends, slot):
@@ -102,7 +112,8 @@ class DeviceHolds:
     of operation k (on the job's timeline: the timer less the debt, emulate/holds.py), then the
     iteration's start, a slot that is always NEVER (the anchor of an unused term), the account (holds
     that waited, ns asked, ns held, ns of the emulator's own time run up, ns of it paid back), the
-    debt, and slot n + 1 per operation: its begin on the stream where it was stamped, else NEVER."""
+    debt, the debt the current group of operations found, and n + 1 slots, one per operation and
+    the start: its begin on the stream where it was stamped, else NEVER."""
 
     def __init__(self, rows: Sequence[Optional[tuple]]) -> None:
         import torch
@@ -115,7 +126,7 @@ class DeviceHolds:
                               "--pace off")
         n = len(rows)
         self.start, self.never, self.acc = n, n + 1, n + 2
-        self.debt, self.begins = self.acc + 5, self.acc + 6
+        self.debt, self.begins = self.acc + 5, self.acc + 7  # acc + 6: the debt a group found
         self.terms = max([len(row[1]) for row in rows if row is not None] + [1])
         table = []
         for row in [*rows, None]:  # the last row is the iteration's start: its end is its entry
@@ -138,9 +149,10 @@ class DeviceHolds:
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._runners = {variant: self._compiled(*variant) for variant in ((True, False), (True, True),
                                                                             (False, True))}
-        self._stamper = self._compiled_stamp()
         if not self._launcher_works():
             self._runners = {variant: None for variant in self._runners}
+        self._stamper = self._compiled_stamp()
+        if self._stamper is not None and not self._stamper_works():
             self._stamper = None
 
     def _compiled(self, plan: bool, spin: bool):
@@ -167,21 +179,29 @@ class DeviceHolds:
     def _launcher_works(self) -> bool:
         """Launch the iteration-start plan once through the launchers and read it back (one
         synchronize, before the run): a launcher that does not write the plan is not used."""
-        if any(r is None for r in self._runners.values()) or self._stamper is None:
+        if any(r is None for r in self._runners.values()):
             return False
         try:
-            self._launch(self.start, self.start, 0, 0, True, False)
+            self._launch(self.start, self.start, self.start, self.start, True, False)
             written = int(self.ends[self.start].item()) != NEVER
             self.ends[self.start] = NEVER
             self._launch(self.start, self.start, self.start, self.start, True, True)  # plans, no spin
             self._launch(0, 0, self.never, self.never, False, True)  # a wait for nothing
             written = written and int(self.ends[self.start].item()) != NEVER
-            self._stamper(self.ends, self.begins + self.start, stream=self._raw_stream(self._device))
-            written = written and int(self.ends[self.begins + self.start].item()) != NEVER
         except Exception:  # noqa: BLE001 - see `_compiled`
             written = False
         self.ends[self.start] = NEVER
         self.ends[self.acc:self.begins] = 0
+        return written
+
+    def _stamper_works(self) -> bool:
+        """The stamp's launcher, checked as `_launcher_works` checks the holds' (without it, stamps
+        are launched the plain way)."""
+        try:
+            self._stamper(self.ends, self.begins + self.start, stream=self._raw_stream(self._device))
+            written = int(self.ends[self.begins + self.start].item()) != NEVER
+        except Exception:  # noqa: BLE001 - see `_compiled`
+            written = False
         self._stamps.fill_(NEVER)
         return written
 
@@ -198,11 +218,13 @@ class DeviceHolds:
         """A new iteration: no debt, no operation stamped, and its start planned."""
         self._stamps.fill_(NEVER)
         self._debt.zero_()
-        self._launch(self.start, self.start, 0, 0, True, False)
+        self._launch(self.start, self.start, self.start, self.start, True, False)
 
     def stamp(self, ordinal: int) -> None:
         """Operation `ordinal` begins where the stream is now: a kernel writes the timer to its slot
         (called where the stream has nothing queued, so the operation begins on the device now)."""
+        if not 0 <= ordinal < self.start:
+            raise IndexError(f"hold stamp for operation {ordinal}: the plan holds {self.start}")
         if self._stamper is not None:
             self._stamper(self.ends, self.begins + ordinal, stream=self._raw_stream(self._device))
         else:

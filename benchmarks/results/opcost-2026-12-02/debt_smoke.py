@@ -80,6 +80,28 @@ out["slow_stamped_ms"], out["slow_stamped_report"] = run(slow_rows, True)
 out["slow_stamped_expected_ms"] = 1.0 + 1.0 + 2.0 - 0.5
 out["slow_unstamped_ms"], out["slow_unstamped_report"] = run([r[:2] for r in slow_rows], False)
 out["slow_unstamped_expected_ms"] = 1.0 + 0.3 + 1.0 + 2.8  # every overrun stays in the wall
+# a group issued together (a coalesced call): op0 stamped, 0.3 ms, op1 stamped, 0.7 ms, one hold for
+# both; 0.5 ms of transfer each, so the group ends 0.8 ms after op0's begin and runs up 0.2 ms of
+# debt once (not 0.5 + 0.2); op2 then pays it back: 1.0 + 3.0 - 0.2 ms (after the review, call 5)
+group = DeviceHolds([(-0.5e-3, (), 0.5e-3), (-0.5e-3, (), 0.5e-3), (2e-3, (), 3e-3)])
+for _ in range(3):
+    torch.cuda.synchronize()
+    group.begin()
+    a, b = ev(), ev()
+    a.record()
+    group.stamp(0)
+    torch.cuda._sleep(int(0.3 * CYC))
+    group.stamp(1)
+    torch.cuda._sleep(int(0.7 * CYC))
+    group.hold([0, 1], True)
+    group.stamp(2)
+    torch.cuda._sleep(int(CYC))
+    group.hold([2], True)
+    b.record()
+    torch.cuda.synchronize()
+out["group_ms"], out["group_report"] = a.elapsed_time(b), group.report()
+out["group_expected_ms"] = 1.0 + 3.0 - 0.2
+out["group_expected_accrued_and_absorbed_s"] = 3 * 0.2e-3
 out["sleep_ms_after"] = sleep_ms()
 # the reports add up the 3 rounds of each run: 0.5 ms run up and paid back per round where the
 # overrun is seen (all but slow_unstamped)
