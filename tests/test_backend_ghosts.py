@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from prism_megatron.comm.ghost import GhostPolicy
 from prism_megatron.comm.session import PhysicalWorld, VirtualSession
+from prism_megatron.comm.slots import mirror_own_piece
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch renames what megatron calls
 
@@ -125,3 +126,23 @@ def test_a_mirror_slot_of_another_length_repeats_the_source_rows_in_order(have, 
     flat = torch.full((rows * 2 + 1,), -1.0)  # other trailing dims: tiled flat
     GhostPolicy().fill(flat, source, None)
     assert torch.equal(flat, source.reshape(-1).repeat(rows + 1)[:rows * 2 + 1])
+
+
+@pytest.mark.parametrize("rows", [[2, 2, 2, 2], [2, 0, 5, 1], [0, 0, 0, 0], [2, 7, 3, 2]])
+@pytest.mark.parametrize("have", [2, 0])
+def test_one_real_members_all_to_all_is_its_own_piece_tiled_into_every_slot_at_once(rows, have):
+    """The only real member under mirror: the whole output is made in one copy or one gather, and each
+    slot holds what the slot-by-slot fill gives it (`GhostPolicy.fill`: the piece's rows repeated or
+    cut; zeros from an empty piece). A device tensor with unequal slots is left to the slot-by-slot
+    fill (its index would come from the device allocator)."""
+    local = torch.arange(have * 3, dtype=torch.float32).reshape(have, 3) + 1
+    rows = [have, *rows[1:]]  # our own slot (the first here) holds what we send ourselves
+    out = torch.full((sum(rows), 3), -1.0)
+    assert mirror_own_piece(out, local, rows)
+    for slot, r in zip(out.split(rows), rows):
+        want = torch.full((r, 3), -1.0)
+        GhostPolicy().fill(want, local, None)
+        assert torch.equal(slot, want)
+    meta = torch.empty((sum(rows), 3), device="meta")
+    uneven = rows.count(have) != len(rows) and have > 0
+    assert mirror_own_piece(meta, local.to("meta"), rows) is not uneven

@@ -364,14 +364,19 @@ class PrismGroup(dist.ProcessGroup):
                                      dist.AllToAllOptions()).wait()
             return done([output])
         rows = row_sizes(output, output_split_sizes, self.n)
+        pieces = (output, rows) if output.is_contiguous() else None
         if self.has_peers:
             outs = split_rows(output, rows)
             ins = split_rows(input, row_sizes(input, input_split_sizes, self.n))
+            provided = None
         else:  # only our own piece moves: the ghosts' are cut only if they are filled one by one
             outs = RowPieces(output, rows)
             ins = RowPieces(input, row_sizes(input, input_split_sizes, self.n))
+            provided = self.slots.provided(outs, "all_to_all", pieces)
+            if not provided and self.slots.mirror_alone(output, input, ins[self.me], rows):
+                return done([output])
         self._alltoall_real(outs, ins)
-        self.slots.fill(outs, seq, "all_to_all", pieces=(output, rows) if output.is_contiguous() else None)
+        self.slots.fill(outs, seq, "all_to_all", skip=provided, pieces=pieces)
         return done([output])
 
     @operation

@@ -150,9 +150,9 @@ def row_sizes(tensor: torch.Tensor, sizes, n: int) -> list[int]:
     if sizes is None:
         sizes = []
     elif hasattr(sizes, "tolist"):  # a tensor or an array: one conversion, not one per element
-        sizes = [int(x) for x in sizes.tolist()]
+        sizes = list(map(int, sizes.tolist()))
     else:
-        sizes = [int(x) for x in sizes]
+        sizes = list(map(int, sizes))  # one C loop: 64 sizes per MoE all-to-all
     if sizes:
         return sizes
     if tensor.shape[0] % n:

@@ -110,6 +110,18 @@ class GhostSlots:
             return True
         return False
 
+    def mirror_alone(self, output: torch.Tensor, input: torch.Tensor, local: torch.Tensor,
+                     rows: list[int]) -> bool:
+        """An all-to-all's output as the only real member under `mirror`: every slot is our own
+        piece `local` of `input` (`mirror_own_piece`). False where that does not apply: several real
+        members, other data, the output sharing the input's memory, fake tensors (shapes only)."""
+        if (len(self.real) != 1 or not input.dim() or rows[self.me] != local.shape[0]
+                or type(output) is not torch.Tensor or type(input) is not torch.Tensor
+                or self.session.policy.effective(output.dtype) != "mirror"
+                or output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()):
+            return False
+        return mirror_own_piece(output, local, rows)
+
     def fill(self, slots: Sequence[torch.Tensor], seq: int, op: str, skip: Optional[bool] = None,
              pieces=None) -> None:
         """Fill each ghost's slot of `op`'s output with policy data (mirror copies its source),
@@ -129,6 +141,33 @@ class GhostSlots:
             return
         for g in self.ghosts:
             policy.fill(slots[g], slots[self.mirror_source[g]], self._gen(slots[g].device, seq, g))
+
+
+def mirror_own_piece(output: torch.Tensor, local: torch.Tensor, rows: list[int]) -> bool:
+    """An all-to-all's output with one real member under `mirror`, in one operation: every slot,
+    ours and the ghosts', is `local` (our own piece) with its rows repeated or cut to the slot's
+    (`GhostPolicy.fill`'s tiling; no rows at all: zeros). Equal slots take one broadcast copy; on CPU
+    unequal ones one gather (a routed MoE's splits differ per expert, and a copy per ghost slot cost
+    650 against 85 us per all-to-all of 64 with cold caches on the 2-core VM). Returns False where it
+    does not apply (unequal slots on GPU, whose index would come from the device allocator and show
+    in the rank's memory; `output` not contiguous): the caller then fills slot by slot."""
+    if not output.is_contiguous() or not output.dim():
+        return False
+    have, n = local.shape[0], len(rows)
+    if not output.numel():
+        return True
+    if rows.count(have) == n:
+        output.view(n, -1).copy_(local.reshape(1, -1).expand(n, -1))
+        return True
+    if not have:
+        output.zero_()
+        return True
+    if output.device.type != "cpu":
+        return False
+    starts = np.repeat(np.cumsum(rows) - rows, rows)  # each output row's slot start
+    index = (np.arange(output.shape[0]) - starts) % have
+    torch.index_select(local, 0, torch.from_numpy(index), out=output)
+    return True
 
 
 def _block(pieces, a: int, b: int) -> Optional[torch.Tensor]:
