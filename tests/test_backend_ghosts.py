@@ -146,3 +146,4 @@ def test_one_real_members_all_to_all_is_its_own_piece_tiled_into_every_slot_at_o
     meta = torch.empty((sum(rows), 3), device="meta")
     uneven = rows.count(have) != len(rows) and have > 0
     assert mirror_own_piece(meta, local.to("meta"), rows) is not uneven
+    assert not mirror_own_piece(torch.empty(sum(rows) + 1, 3), local, rows)  # splits short of the output
