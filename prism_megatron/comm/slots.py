@@ -152,7 +152,7 @@ def mirror_own_piece(output: torch.Tensor, local: torch.Tensor, rows: list[int])
     does not apply (unequal slots on GPU, whose index would come from the device allocator and show
     in the rank's memory; `output` not contiguous): the caller then fills slot by slot."""
     if not output.is_contiguous() or not output.dim() or sum(rows) != output.shape[0]:
-        return False  # (splits that do not add up: the slot-by-slot path raises)
+        return False  # (splits that do not add up: the slot-by-slot path, as before)
     have, n = local.shape[0], len(rows)
     if not output.numel():
         return True
