@@ -57,7 +57,7 @@ def main() -> int:
         if graph is None:
             cfg = load_config(["emulation.sandbox_ranks=[]", f"train.device={args.device}", *args.overrides],
                               args.config)
-            graph = Capture(cfg, os.path.join(tmp, "capture"), log=lambda s: None).run().graph_path
+            graph = Capture(cfg, os.path.join(tmp, "capture"), log=lambda s: print(s, file=sys.stderr)).run().graph_path
         print(f"{'sandbox':>12}{'rank':>6}{'N':>6}{'fraction':>11}{'peer ghosts':>13}{'classes':>9}"
               f"{'job iter ms':>13}{'peak MiB':>10}{'backend ms':>12}{'us/op':>7}{'replay ms':>11}"
               f"{'overhead':>10}{'on device':>11}")

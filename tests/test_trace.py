@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from prism_megatron.capture.plan import plan_classes, stage_key
 from prism_megatron.graph import StringTable, load_graph, save_graph
 from prism_megatron.graph.chakra import NODE_TYPES, chakra_messages, decode, encode, write_chakra
-from prism_megatron.graph.model import NO_PEER, NodeKind, structure_hash
+from prism_megatron.graph.model import NO_PEER, NodeKind, structure_difference, structure_hash
 from prism_megatron.graph.synthetic import synthetic_graph
 from prism_megatron.emulate.holds import START, Hold
 from prism_megatron.trace.clock import DelayAccount, HostHolds
@@ -251,6 +253,26 @@ def test_structure_hash_ignores_timings_but_not_bytes():
     assert structure_hash(ga, a.strings) == structure_hash(gb, b.strings)
     gb.columns["nbytes"] = gb.columns["nbytes"] + (gb.columns["kind"] == NodeKind.COMM)
     assert structure_hash(ga, a.strings) != structure_hash(gb, b.strings)
+
+
+def test_probes_whose_allocator_peaks_move_with_timing_still_verify_but_other_differences_do_not():
+    world = VirtualWorld(world_size=16, tp=2, pp=4)
+    a, b = synthetic_graph(world), synthetic_graph(world)
+    role = world.roles()[0]
+    ga, gb = (replace(g.roles[role], peak_bytes=10**9, peak_by_category={"params": 4 * 10**8, "activations": 6 * 10**8})
+              for g in (a, b))
+    assert structure_difference(ga, a.strings, gb, b.strings) is None
+    moved = 3 * 512  # three 512-byte split-size blocks whose free waited on megatron's D2H stream
+    late = replace(gb, peak_bytes=gb.peak_bytes + moved,
+                   peak_by_category={"params": 4 * 10**8, "activations": 6 * 10**8 + moved})
+    assert "memory" in structure_difference(ga, a.strings, late, b.strings)  # exact trackers: exact
+    on_gpu = [replace(g, memory_source="cuda-allocator") for g in (ga, late)]
+    assert structure_difference(on_gpu[0], a.strings, on_gpu[1], b.strings) is None
+    beyond = replace(on_gpu[1], peak_bytes=ga.peak_bytes + 2 * 10**5)  # past 0.01 % of the peak
+    assert structure_difference(on_gpu[0], a.strings, beyond, b.strings).startswith("memory (peak 1,000,000,000 vs")
+    gb.columns["nbytes"] = gb.columns["nbytes"] + (gb.columns["kind"] == NodeKind.COMM)
+    bytes_differ = replace(on_gpu[1], columns=gb.columns)
+    assert structure_difference(on_gpu[0], a.strings, bytes_differ, b.strings) == "nodes"
 
 
 def test_plan_groups_stages_by_schedule_and_probes_differ_most():

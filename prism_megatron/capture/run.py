@@ -39,7 +39,7 @@ from prism_megatron.config.loader import to_yaml
 from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.graph.check import GraphFileError, check_graph
 from prism_megatron.graph.io import load_graph, save_graph
-from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, structure_hash
+from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, structure_difference
 from prism_megatron.util import atomic_write_text, job_env
 from prism_megatron.world import Role, VirtualWorld
 
@@ -278,18 +278,15 @@ class Capture:
                       "symmetric": verdicts[c.key]} for c in classes],
             wall_s=round(time.perf_counter() - start, 3), graph_bytes=os.path.getsize(path))
 
-    def _hash(self, s: Slice) -> str:
-        return structure_hash(s.graph, s.strings)
-
     def _verify(self, c: RoleClass, slices: dict[Role, Slice]) -> bool:
         if len(c.roles) == 1:
             return True
         a, b = (slices[r] for r in c.probes)
-        same = self._hash(a) == self._hash(b)
-        if not same:
-            self.log(f"capture: class {c.key}: {a.role} and {b.role} differ; capturing all "
+        differ = structure_difference(a.graph, a.strings, b.graph, b.strings)
+        if differ:
+            self.log(f"capture: class {c.key}: {a.role} and {b.role} differ in {differ}; capturing all "
                      f"{len(c.roles)} roles of it")
-        return same
+        return differ is None
 
     def _merge(self, classes: list[RoleClass], slices: dict[Role, Slice],
                verdicts: dict[str, bool]) -> tuple[ExecutionGraph, list[str]]:

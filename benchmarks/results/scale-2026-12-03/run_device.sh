@@ -1,0 +1,27 @@
+#!/bin/bash
+# One device call (1x H200), session 28: one rank of an N = 8192 job emulated on one GPU, with the
+# backend's host time and its device time against the sandbox's compute (issue [D]'s scale goal).
+# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | moe_ep64.
+set -o pipefail
+export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
+here=benchmarks/results/scale-2026-12-03
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+case "${WHICH:?WHICH=gpt175b or moe_ep64}" in
+  gpt175b)
+    python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
+      train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
+      --json $OUT/emulate_scale-h200-gpt175b.json 2>&1 | grep -v -i warn | tail -6 ;;
+  moe_ep64)
+    # The first try (the config as committed, piped through tail) ran past the call's 580 s with
+    # nothing printed; this one logs to OUT and, past LIMIT_S, dumps every Python stack (py-spy) first.
+    python3 benchmarks/emulate_scale.py --config $here/config-moe-ep64-h200.yaml "$@" \
+      --device cuda --cluster dgx_h200 --sandbox ${SANDBOX:-4711} \
+      --json $OUT/emulate_scale-h200-moe-ep64.json > $OUT/moe_ep64.log 2>&1 &
+    job=$!
+    for t in $(seq 1 ${LIMIT_S:-480}); do kill -0 $job 2>/dev/null || break; sleep 1; done
+    if kill -0 $job 2>/dev/null; then
+      for p in $(pgrep -f python3); do py-spy dump --pid $p > $OUT/stack-$p.txt 2>&1; done
+      pkill -P $job; kill $job
+    fi
+    wait $job; grep -v -i warn $OUT/moe_ep64.log | tail -6 ;;
+esac
