@@ -12,12 +12,13 @@ backend's time per operation, and the replay's time (the oracle runs once per em
 virtual-clock mode).
 
     python benchmarks/emulate_scale.py [key=value ...] [--graph G] [--sandbox first-stage 4711] [--device cuda]
-                                       [--pace auto|on|off] [--json PATH]
+                                       [--pace auto|on|off] [--json PATH] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -49,10 +50,15 @@ def main() -> int:
                         help="the sandboxes' collectives hold the stream for the ghosts' waits "
                              "(auto: on GPU; emulate/run.py)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="work in DIR and keep it (the capture, and each sandbox's graph under "
+                             "emu-<spec>/sandbox/) instead of a temporary directory")
     args = parser.parse_args()
     pace = {"auto": None, "on": True, "off": False}[args.pace]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         graph = args.graph
         if graph is None:
             cfg = load_config(["emulation.sandbox_ranks=[]", f"train.device={args.device}", *args.overrides],
