@@ -1,6 +1,6 @@
 """Which part of the structure hash (graph/model.py `structure_hash`) differs between two capture
-slices of one class: the node columns (first differing node, with its name and op), the dependencies,
-the memory peak and its breakdown, the pipeline spans, the MoE rows. A capture whose probes differ
+slices of one class: the first differing node of each node column (with its name), then the capture's own verdict
+(`structure_difference`: the parts that differ, and the memory peaks). A capture whose probes differ
 captures every role of the class; this says why.
 
     python probe_diff.py SLICES_DIR/rank0.prism SLICES_DIR/rank63.prism
@@ -12,7 +12,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from prism_megatron.graph.io import load_graph  # noqa: E402
-from prism_megatron.graph.model import STRING_COLUMNS, _TIMING  # noqa: E402
+from prism_megatron.graph.model import STRING_COLUMNS, _TIMING, structure_difference  # noqa: E402
 
 
 def role_graph(path):
@@ -39,20 +39,7 @@ def main(a_path, b_path):
         if len(bad):
             i = int(bad[0])
             print(f"column {col}: {len(bad)} nodes differ; first at {i} ({name(sa, a, i)!r}): {x[i]!r} vs {y[i]!r}")
-    print("deps equal:", np.array_equal(a.dep_ptr, b.dep_ptr) and np.array_equal(a.dep_idx, b.dep_idx))
-    print("peak:", a.peak_bytes, b.peak_bytes, "delta", b.peak_bytes - a.peak_bytes)
-    for k in sorted(set(a.peak_by_category) | set(b.peak_by_category)):
-        va, vb = a.peak_by_category.get(k), b.peak_by_category.get(k)
-        if va != vb:
-            print(f"  peak_by_category[{k}]: {va} vs {vb}")
-    for col in sorted(a.spans):
-        if col not in ("start_s", "end_s") and not np.array_equal(a.spans[col], b.spans[col]):
-            print(f"spans {col} differ")
-    for col in sorted(a.moe):
-        if col != "layer" and not np.array_equal(a.moe[col], b.moe[col]):
-            print(f"moe {col} differ")
-    print("moe tokens equal:", np.array_equal(a.moe_ptr, b.moe_ptr) and np.array_equal(a.moe_tokens, b.moe_tokens))
-
+    print("structure_difference:", structure_difference(a, sa, b, sb))  # the capture's own verdict
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
