@@ -80,8 +80,10 @@ def main() -> int:
                   f"{s['replay_s'] * 1e3:>11.2f}{s['overhead_ratio'] * 100:>9.2f}%"
                   f"{s['device_overhead_ratio'] * 100:>10.2f}%", flush=True)
     if args.json:
+        import torch
+        gpu = torch.cuda.get_device_name() if args.device == "cuda" else None  # (node names say little)
         atomic_write_text(args.json, json.dumps({"date": str(date.today()), "machine": platform.node(),
-                                                 "cpus": os.cpu_count(), "device": args.device,
+                                                 "gpu": gpu, "cpus": os.cpu_count(), "device": args.device,
                                                  "graph": args.graph or "captured",
                                                  "cluster": args.cluster, "rows": rows}, indent=1))
     return 0

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from prism_megatron.comm.ghost import GhostPolicy
 from prism_megatron.comm.session import PhysicalWorld, VirtualSession
+from prism_megatron.comm.ops import copy_broadcast
 from prism_megatron.comm.slots import mirror_own_piece
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch renames what megatron calls
@@ -147,3 +148,22 @@ def test_one_real_members_all_to_all_is_its_own_piece_tiled_into_every_slot_at_o
     uneven = rows.count(have) != len(rows) and have > 0
     assert mirror_own_piece(meta, local.to("meta"), rows) is not uneven
     assert not mirror_own_piece(torch.empty(sum(rows) + 1, 3), local, rows)  # splits short of the output
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64])
+@pytest.mark.parametrize("shape", [(256, 48), (3, 5), (7,), (2, 4, 6)])
+@pytest.mark.parametrize("offset", [0, 1, 8])
+def test_a_broadcast_copy_viewed_as_wider_elements_writes_the_same_bytes(dtype, shape, offset):
+    """The ghosts' slots as copies of ours, through the widened view the GPU takes (forced here on
+    CPU): byte for byte the plain broadcast copy, whatever the row's length, dtype or alignment
+    (rows and slots that do not split into wider elements fall back to the plain copy)."""
+    numel = torch.Size(shape).numel()
+    store = (torch.randn(numel + offset) * 50).to(dtype)
+    row = store[offset:].view(shape)  # an offset view: its address may not align to 16 bytes
+    for widen in (True, False):
+        dst = torch.zeros(5 * numel + offset, dtype=dtype)[offset:].view(5, numel)
+        copy_broadcast(dst, row, widen=widen)
+        assert torch.equal(dst, row.reshape(1, -1).expand(5, -1))
+    wide = torch.zeros(4, numel, dtype=torch.float64)
+    copy_broadcast(wide, row, widen=True)  # another dtype: converted, as a plain copy converts
+    assert torch.equal(wide, row.reshape(1, -1).expand(4, -1).to(torch.float64))

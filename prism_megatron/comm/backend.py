@@ -32,6 +32,7 @@ from torch.distributed import ReduceOp
 from prism_megatron.comm.events import CommEvent
 from prism_megatron.comm.ops import (
     REDUCE_NAMES,
+    copy_broadcast,
     done,
     inner_reduce_opts,
     nbytes_of,
@@ -266,14 +267,14 @@ class PrismGroup(dist.ProcessGroup):
             # rather than overwrite it with copies of our shard. A fresh buffer (ZeRO-3) has none:
             # there every slot gets a copy of ours, one broadcasted copy, before the real members'.
             if self.session.fresh_gathers and output.is_contiguous():
-                output.view(self.n, -1).copy_(input.detach().clone().reshape(1, -1).expand(self.n, -1))
+                copy_broadcast(output.view(self.n, -1), input.detach().clone())
             if self.has_peers:
                 self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()
             return done([output])
         provided = self.slots.provided(slots, "all_gather", pieces)
         if not self.has_peers and mirror and output.is_contiguous() and not provided:
             # One real member: every slot is a copy of the local input; one broadcasted copy.
-            output.view(self.n, -1).copy_(input.reshape(1, -1).expand(self.n, -1))
+            copy_broadcast(output.view(self.n, -1), input)
             return done([output])
         if self.has_peers:
             self._inner(input).allgather([[slots[g] for g in self.real]], [input]).wait()

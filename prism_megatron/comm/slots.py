@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from prism_megatron.comm.ops import copy_from_host, host_bytes
+from prism_megatron.comm.ops import copy_broadcast, copy_from_host, host_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +134,7 @@ class GhostSlots:
             for _, a, b in self.runs:
                 block = _block(pieces, a, b) if pieces and pieces[1][a] == pieces[1][me] else None
                 if block is not None:
-                    block.copy_(local.reshape(1, -1).expand(b - a, -1))
+                    copy_broadcast(block, local)
                 else:
                     for g in range(a, b):
                         policy.fill(slots[g], local, None)
@@ -157,7 +157,7 @@ def mirror_own_piece(output: torch.Tensor, local: torch.Tensor, rows: list[int])
     if not output.numel():
         return True
     if rows.count(have) == n:
-        output.view(n, -1).copy_(local.reshape(1, -1).expand(n, -1))
+        copy_broadcast(output.view(n, -1), local)
         return True
     if not have:
         output.zero_()

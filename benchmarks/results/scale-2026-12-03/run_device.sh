@@ -1,17 +1,19 @@
 #!/bin/bash
 # One device call (1x H200), session 28: one rank of an N = 8192 job emulated on one GPU, with the
 # backend's host time and its device time against the sandbox's compute (issue [D]'s scale goal).
-# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | moe_ep64.
+# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | copies | moe_ep64.
 set -o pipefail
 export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 here=benchmarks/results/scale-2026-12-03
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-case "${WHICH:?WHICH=gpt175b, gpt175b_ops or moe_ep64}" in
+case "${WHICH:?WHICH=gpt175b, gpt175b_ops, copies or moe_ep64}" in
   gpt175b)
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
       --json $OUT/emulate_scale-h200-gpt175b.json 2>&1 | grep -v -i warn | tail -6 ;;
-  gpt175b_ops)  # (written after call 1, not yet run) the same, keeping the sandboxes' graphs: per op kind
+  copies)  # (session 29) the ghosts' slots of a gather filled three ways (benchmarks/broadcast_copy.py)
+    python3 benchmarks/broadcast_copy.py --device cuda --json $OUT/broadcast_copy-h200.json 2>&1 | grep -v -i warn ;;
+  gpt175b_ops)  # the same as gpt175b, keeping the sandboxes' graphs: per op kind
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
       --keep /tmp/w175 --json $OUT/emulate_scale-h200-gpt175b-ops.json > $OUT/gpt175b_ops.log 2>&1
