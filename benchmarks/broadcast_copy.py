@@ -9,7 +9,8 @@ sequence-parallel all-gather (8 slots of 6 MiB, bf16) took 44 us of device time 
 - `widened`: `comm.ops.copy_broadcast`, the same copy with both sides viewed as the widest element
   type the bytes and addresses allow (what the backend does now);
 - `doubling`: our row into slot 0, then contiguous copies of slots [0, j) to [j, 2j): log2(k) + 1
-  copies (memcpy-like kernels, but each reads what it writes).
+  copies (memcpy-like kernels, but each reads what it writes);
+- `cat`: `torch.cat([row] * k, out=dst)`, one batched copy kernel over contiguous inputs.
 
 Each figure is the median of `--repeat` timed calls after warm-up (CUDA events on GPU, perf_counter
 on CPU), with the bytes written per second beside it. Also checks that every way fills the same
@@ -58,7 +59,11 @@ def _doubling(dst, row):
         done += step
 
 
-WAYS = {"expand": _expand, "widened": copy_broadcast, "doubling": _doubling}
+def _cat(dst, row):
+    torch.cat([row.reshape(1, -1)] * dst.shape[0], out=dst)
+
+
+WAYS = {"expand": _expand, "widened": copy_broadcast, "doubling": _doubling, "cat": _cat}
 
 
 def _time_us(fn, dst, row, device: str, repeat: int) -> float:

@@ -1,18 +1,31 @@
 #!/bin/bash
 # One device call (1x H200), session 28: one rank of an N = 8192 job emulated on one GPU, with the
 # backend's host time and its device time against the sandbox's compute (issue [D]'s scale goal).
-# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | copies | moe_ep64.
+# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | gpt175b_pace | copies | moe_ep64.
 set -o pipefail
 export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 here=benchmarks/results/scale-2026-12-03
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-case "${WHICH:?WHICH=gpt175b, gpt175b_ops, copies or moe_ep64}" in
+case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, copies or moe_ep64}" in
   gpt175b)
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
       --json $OUT/emulate_scale-h200-gpt175b.json 2>&1 | grep -v -i warn | tail -6 ;;
   copies)  # (session 29) the ghosts' slots of a gather filled three ways (benchmarks/broadcast_copy.py)
     python3 benchmarks/broadcast_copy.py --device cuda --json $OUT/broadcast_copy-h200.json 2>&1 | grep -v -i warn ;;
+  gpt175b_pace)  # (session 29) rank 4711 from one capture: paced (the default on GPU) and unpaced,
+    # alternating, each with op_device.py's per-op device time
+    args="--device cuda --cluster dgx_h200 --sandbox 4711"
+    python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
+      train.global_batch_size=128 $args --keep /tmp/w175 --json $OUT/pace-on-0.json > $OUT/pace.log 2>&1
+    for run in off-1 on-1 off-2; do
+      python3 benchmarks/emulate_scale.py --graph /tmp/w175/capture/graph.prism $args --pace ${run%-*} \
+        --keep /tmp/w175-$run --json $OUT/pace-$run.json >> $OUT/pace.log 2>&1
+    done
+    grep -v -i warn $OUT/pace.log | grep -v '^capture \['
+    for f in /tmp/w175/emu-4711 /tmp/w175-*/emu-4711; do
+      echo "== $f"; python3 $here/op_device.py $f/sandbox/rank4711.prism 2>&1 | grep -v -i warn
+    done ;;
   gpt175b_ops)  # the same as gpt175b, keeping the sandboxes' graphs: per op kind
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
