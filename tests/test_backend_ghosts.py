@@ -150,7 +150,7 @@ def test_one_real_members_all_to_all_is_its_own_piece_tiled_into_every_slot_at_o
     assert not mirror_own_piece(torch.empty(sum(rows) + 1, 3), local, rows)  # splits short of the output
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64, torch.bool])
 @pytest.mark.parametrize("shape", [(256, 48), (3, 5), (7,), (2, 4, 6)])
 @pytest.mark.parametrize("offset", [0, 1, 8])
 def test_a_broadcast_copy_viewed_as_wider_elements_writes_the_same_bytes(dtype, shape, offset):

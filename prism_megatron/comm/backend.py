@@ -76,7 +76,7 @@ class PrismGroup(dist.ProcessGroup):
         self.slots = GhostSlots(session, self.members, self.real, self.ghosts, group_rank,
                                 self.mirror_source, self._gen)
         self._seq = itertools.count()  # next() is atomic under the GIL: calls from any thread
-        self._stash: dict[tuple, dict[int, object]] = {}  # (shape, dtype) -> peer -> host copy
+        self._stash: dict[tuple, dict[int, torch.Tensor]] = {}  # (shape, dtype) -> peer -> host copy
         self.has_peers = r > 1
         self._store = store
         self._inners: dict[str, object] = {}
@@ -444,10 +444,8 @@ class PrismGroup(dist.ProcessGroup):
                     t.normal_(generator=self._gen(t.device, seq, i)())
                 elif raw is None:
                     t.zero_()
-                elif isinstance(raw, torch.Tensor):  # pinned: an asynchronous copy, as a recv is
+                else:  # from pinned memory on GPU: an asynchronous copy, as a recv is
                     t.copy_(raw, non_blocking=True)
-                else:
-                    t.copy_(torch.from_numpy(raw).view(t.dtype).view(t.shape))
             else:
                 policy.fill(t, None, self._gen(t.device, seq, i))
         return done(tensors)

@@ -32,14 +32,14 @@ def ghost_runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def host_copy(t: torch.Tensor):
+def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` outside the device allocator, for the p2p mirror: on GPU a pinned host tensor
     filled asynchronously on the current stream (a blocking copy would stall the host until the
     device drained, where a real send does not wait; the recv's copy back is stream-ordered after
-    it), on CPU the bytes as numpy (outside torch's allocator, so the tracked memory stays a real
-    rank's)."""
+    it), on CPU a tensor over numpy's bytes (outside torch's allocator, so the tracked memory stays
+    a real rank's), viewed as `t` once here rather than at every recv (9 against 2 us a recv)."""
     if t.device.type == "cpu":
-        return host_bytes(t)
+        return torch.from_numpy(host_bytes(t)).view(t.dtype).view(t.shape)
     pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     pinned.copy_(t.detach(), non_blocking=True)
     return pinned
