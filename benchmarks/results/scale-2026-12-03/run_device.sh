@@ -28,16 +28,21 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, copies or
     done ;;
   gpt175b_cold)  # (written in session 29, not yet run) why the run right after the capture is slower
     # (6.8 % on the device against 3.7-4.3 % from the kept graph): a cold Triton cache (the holds'
-    # kernels compile in that run) or the capture itself. Paced with a fresh cache, paced warm,
-    # paced with a fresh cache again, unpaced; per-op device time for each.
+    # kernels compile in that run) or the capture itself. Unpaced right after the capture, then from
+    # the kept graph: paced with a fresh cache, paced warm, paced with a fresh cache again, unpaced.
+    # Then the backend's host work without the waits of a GPU-bound job: unpaced with
+    # CUDA_LAUNCH_BLOCKING=1 (every launch returns when its kernel is done, so the queue never
+    # fills; the backend's host time is then its host work plus its own kernels). About 420 s.
     args="--device cuda --cluster dgx_h200 --sandbox 4711"
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 $args --pace off --keep /tmp/w175 --json $OUT/cold-off-0.json > $OUT/cold.log 2>&1
-    for run in cold-1 warm-1 cold-2 off-1; do
-      pace=on; [ $run = off-1 ] && pace=off
+    for run in cold-1 warm-1 cold-2 off-1 block-1 block-2; do
+      pace=on; blocking=0
+      case $run in off-*) pace=off ;; block-*) pace=off; blocking=1 ;; esac
       cache=/tmp/triton-warm; [ ${run%-*} = cold ] && cache=/tmp/triton-$run
-      TRITON_CACHE_DIR=$cache python3 benchmarks/emulate_scale.py --graph /tmp/w175/capture/graph.prism $args \
-        --pace $pace --keep /tmp/w175-$run --json $OUT/cold-$run.json >> $OUT/cold.log 2>&1
+      CUDA_LAUNCH_BLOCKING=$blocking TRITON_CACHE_DIR=$cache python3 benchmarks/emulate_scale.py \
+        --graph /tmp/w175/capture/graph.prism $args --pace $pace --keep /tmp/w175-$run \
+        --json $OUT/cold-$run.json >> $OUT/cold.log 2>&1
     done
     grep -v -i warn $OUT/cold.log | grep -v '^capture \['
     for f in /tmp/w175/emu-4711 /tmp/w175-*/emu-4711; do
