@@ -37,7 +37,8 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     filled asynchronously on the current stream (a blocking copy would stall the host until the
     device drained, where a real send does not wait; the recv's copy back is stream-ordered after
     it), on CPU a tensor over numpy's bytes (outside torch's allocator, so the tracked memory stays
-    a real rank's), viewed as `t` once here rather than at every recv (9 against 2 us a recv)."""
+    a real rank's), viewed as `t` once here rather than at every recv (6.5 against 1.1 us a recv
+    hot on the 2-core VM: benchmarks/results/scale-2026-12-03/recv_view.py)."""
     if t.device.type == "cpu":
         return torch.from_numpy(host_bytes(t)).view(t.dtype).view(t.shape)
     pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
