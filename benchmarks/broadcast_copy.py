@@ -6,8 +6,10 @@ sequence-parallel all-gather (8 slots of 6 MiB, bf16) took 44 us of device time 
 4.4 % of the rank's compute (`scale-2026-12-03/op_device.py`). Ways timed, per shape:
 
 - `expand`: `dst.copy_(row.expand(k, -1))` in the tensor's own dtype (what the backend did);
-- `widened`: `comm.ops.copy_broadcast`, the same copy with both sides viewed as the widest element
-  type the bytes and addresses allow (what the backend does now);
+- `widened`: `comm.ops.copy_broadcast(widen=True)`, the same copy with both sides viewed as the
+  widest element type the bytes and addresses allow;
+- `default`: `comm.ops.copy_broadcast` as the backend calls it (widened on a GPU from
+  `WIDEN_MIN_BYTES` of destination up, plain below and on CPU);
 - `doubling`: our row into slot 0, then contiguous copies of slots [0, j) to [j, 2j): log2(k) + 1
   copies (memcpy-like kernels, but each reads what it writes);
 - `cat`: `torch.cat([row] * k, out=dst)`, one batched copy kernel over contiguous inputs.
@@ -43,6 +45,10 @@ SHAPES = [  # (name, slots, row elements, dtype)
     ("gpt175b dp param all-gather shard (1/64 of 2.6 GiB)", 64, 2592 * 2**20 // 64 // 2, torch.bfloat16),
     ("moe ep64 all-to-all: 64 x (128 x 4096)", 64, 128 * 4096, torch.bfloat16),
     ("tiny tp8 sp all-gather: 8 x (32 x 64)", 8, 32 * 64, torch.float32),
+    ("small: 8 x 16 KiB bf16", 8, 8 * 2**10, torch.bfloat16),
+    ("small: 8 x 64 KiB bf16", 8, 32 * 2**10, torch.bfloat16),
+    ("small: 8 x 256 KiB bf16", 8, 128 * 2**10, torch.bfloat16),
+    ("small: 8 x 1 MiB bf16", 8, 512 * 2**10, torch.bfloat16),
 ]
 
 
@@ -63,7 +69,12 @@ def _cat(dst, row):
     torch.cat([row.reshape(1, -1)] * dst.shape[0], out=dst)
 
 
-WAYS = {"expand": _expand, "widened": copy_broadcast, "doubling": _doubling, "cat": _cat}
+def _widened(dst, row):
+    copy_broadcast(dst, row, widen=True)
+
+
+WAYS = {"expand": _expand, "widened": _widened, "default": copy_broadcast, "doubling": _doubling,
+        "cat": _cat}
 
 
 def _time_us(fn, dst, row, device: str, repeat: int) -> float:
@@ -97,7 +108,7 @@ def main(argv=None) -> int:
         return 2
     rows = []
     print(f"{'shape':<52}{'MiB':>8}" + "".join(f"{w + ' us':>14}{'GB/s':>8}" for w in WAYS)
-          + f"{'widened/expand':>16}")
+          + f"{'widened/expand':>16}{'default/expand':>16}")
     for name, slots, elems, dtype in SHAPES:
         row = torch.randn(elems, device=args.device).to(dtype)
         dst = torch.empty(slots, elems, device=args.device, dtype=dtype)
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
                      **{f"{w}_us": round(t, 2) for w, t in times.items()}})
         print(f"{name:<52}{nbytes / 2**20:>8.1f}"
               + "".join(f"{t:>14.1f}{nbytes / t / 1e3:>8.0f}" for t in times.values())
-              + f"{times['widened'] / times['expand']:>16.2f}")
+              + f"{times['widened'] / times['expand']:>16.2f}{times['default'] / times['expand']:>16.2f}")
         del row, dst
     if args.json:
         machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.node()

@@ -182,6 +182,10 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16)
 """The element types a byte copy may be viewed as, widest first (16, 8, 4, 2 bytes)."""
 
+WIDEN_MIN_BYTES = 1 << 20
+"""Below this many destination bytes the copy is launch-bound and the widened views only add their
+host time (an 8 x 8 KiB gather: 1.31x on an H200, benchmarks/broadcast_copy.py): copied plainly."""
+
 
 def copy_broadcast(dst: torch.Tensor, row: torch.Tensor, widen: Optional[bool] = None) -> None:
     """Every row of the contiguous [k, m] `dst` becomes `row` (m elements, any shape): the ghosts'
@@ -191,10 +195,11 @@ def copy_broadcast(dst: torch.Tensor, row: torch.Tensor, widen: Optional[bool] =
     and addresses allow (16 bytes for any real activation): the same bytes in an eighth of the
     elements. On CPU the plain copy is the faster one (benchmarks/broadcast_copy.py); a copy that
     converts dtypes, or a row that is not contiguous, also stays as it was. `widen`: force the
-    widened copy (True) or the plain one (False); by default widened on a GPU only."""
+    widened copy (True) or the plain one (False); by default widened on a GPU only, from
+    `WIDEN_MIN_BYTES` of destination up."""
     k = dst.shape[0]
     if widen is None:
-        widen = dst.device.type == "cuda"
+        widen = dst.device.type == "cuda" and dst.numel() * dst.element_size() >= WIDEN_MIN_BYTES
     if (widen and type(dst) is torch.Tensor and type(row) is torch.Tensor
             and dst.dtype == row.dtype and row.dim() and dst.is_contiguous() and row.is_contiguous()):
         size = row.element_size()
