@@ -49,6 +49,8 @@ SHAPES = [  # (name, slots, row elements, dtype)
     ("small: 8 x 64 KiB bf16", 8, 32 * 2**10, torch.bfloat16),
     ("small: 8 x 256 KiB bf16", 8, 128 * 2**10, torch.bfloat16),
     ("small: 8 x 1 MiB bf16", 8, 512 * 2**10, torch.bfloat16),
+    ("medium: 8 x 2 MiB bf16", 8, 2**20, torch.bfloat16),
+    ("medium: 8 x 4 MiB bf16", 8, 2 * 2**20, torch.bfloat16),
 ]
 
 

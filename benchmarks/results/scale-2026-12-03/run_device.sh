@@ -1,12 +1,12 @@
 #!/bin/bash
 # One device call (1x H200), session 28: one rank of an N = 8192 job emulated on one GPU, with the
 # backend's host time and its device time against the sandbox's compute (issue [D]'s scale goal).
-# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | gpt175b_pace | gpt175b_cold | copies | moe_ep64.
+# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | gpt175b_pace | gpt175b_cold | gpt175b_spy | copies | moe_ep64.
 set -o pipefail
 export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 here=benchmarks/results/scale-2026-12-03
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, copies or moe_ep64}" in
+case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_spy, copies or moe_ep64}" in
   gpt175b)
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
@@ -48,6 +48,29 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, copies or
     for f in /tmp/w175/emu-4711 /tmp/w175-*/emu-4711; do
       echo "== $f"; python3 $here/op_device.py $f/sandbox/rank4711.prism 2>&1 | grep -v -i warn | head -4
     done ;;
+  gpt175b_spy)  # (session 30) where the sandbox's host time goes, paced and unpaced: a capture of
+    # 12 iterations (the unpaced emulation right after it), then py-spy around a paced and an unpaced
+    # emulation from the kept graph; hot_frames.py's summary of the sandbox process per run. The
+    # raw stacks and the runs' JSON come back in one tarball (at most 8 files come back).
+    args="--device cuda --cluster dgx_h200 --sandbox 4711"
+    SPY=${SPY:-/tmp/site/bin/py-spy}
+    python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
+      train.global_batch_size=128 train.iters=12 $args --pace off --keep /tmp/w175 \
+      --json $OUT/spy-off-0.json > $OUT/spy.log 2>&1
+    for pace in on off; do
+      timeout ${LIMIT_S:-200} $SPY record --nonblocking --subprocesses --format raw -r ${RATE:-500} \
+        -o /tmp/spy-$pace.txt -- python3 benchmarks/emulate_scale.py --graph /tmp/w175/capture/graph.prism \
+        $args --pace $pace --keep /tmp/w175-spy-$pace --json $OUT/spy-$pace.json >> $OUT/spy.log 2>&1
+      python3 benchmarks/results/hostcost-2026-12-02/hot_frames.py /tmp/spy-$pace.txt node-median 70 \
+        > $OUT/hot-$pace.txt
+    done
+    grep -v -i warn $OUT/spy.log | grep -v '^capture \['
+    for f in /tmp/w175/emu-4711 /tmp/w175-spy-*/emu-4711; do
+      echo "== $f"; python3 $here/op_device.py $f/sandbox/rank4711.prism 2>&1 | grep -v -i warn | head -4
+    done
+    gzip -f /tmp/spy-on.txt /tmp/spy-off.txt
+    tar -C /tmp -czf $OUT/spy-extra.tgz spy-on.txt.gz spy-off.txt.gz w175/emu-4711/sandbox/summary4711.json \
+      w175-spy-on/emu-4711/sandbox/summary4711.json w175-spy-off/emu-4711/sandbox/summary4711.json ;;
   gpt175b_ops)  # the same as gpt175b, keeping the sandboxes' graphs: per op kind
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
