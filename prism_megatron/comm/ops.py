@@ -133,8 +133,8 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def nbytes_of(tensors: Sequence[torch.Tensor]) -> int:
     if len(tensors) == 1:  # nearly every operation: no generator
-        return tensors[0].numel() * tensors[0].element_size()
-    return sum(t.numel() * t.element_size() for t in tensors)
+        return tensors[0].nbytes  # one C getter, against two method calls
+    return sum(t.nbytes for t in tensors)
 
 
 def inner_reduce_opts(cls, op: ReduceOp, **extra):
@@ -182,10 +182,11 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16)
 """The element types a byte copy may be viewed as, widest first (16, 8, 4, 2 bytes)."""
 
-WIDEN_MIN_BYTES = 16 << 20
+WIDEN_MIN_BYTES = 32 << 20
 """Below this many destination bytes the copy is launch-bound and the widened views only add their
-host time: on an H200 (benchmarks/broadcast_copy.py, scale-2026-12-03) the plain copy of 8 rows
-took 19-23 us from 64 KiB to 8 MiB, the widened one 30-33 us; at 48 MiB, 55 against 37 us."""
+host time. On an H200 (benchmarks/broadcast_copy.py, scale-2026-12-03), 8 rows: the plain copy took
+19-25 us from 64 KiB to 8 MiB against 30-34 us widened; 30.5 against 32.9 us at 16 MiB; 40.0
+against 35.1 us at 32 MiB; 55-57 against 30-37 us at 48 MiB."""
 
 
 def copy_broadcast(dst: torch.Tensor, row: torch.Tensor, widen: Optional[bool] = None) -> None:

@@ -61,7 +61,7 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_s
       timeout ${LIMIT_S:-200} $SPY record --nonblocking --subprocesses --format raw -r ${RATE:-500} \
         -o /tmp/spy-$pace.txt -- python3 benchmarks/emulate_scale.py --graph /tmp/w175/capture/graph.prism \
         $args --pace $pace --keep /tmp/w175-spy-$pace --json $OUT/spy-$pace.json >> $OUT/spy.log 2>&1
-      python3 benchmarks/results/hostcost-2026-12-02/hot_frames.py /tmp/spy-$pace.txt node-median 70 \
+      python3 benchmarks/results/hostcost-2026-12-02/hot_frames.py /tmp/spy-$pace.txt pretrain_gpt 70 \
         > $OUT/hot-$pace.txt
     done
     grep -v -i warn $OUT/spy.log | grep -v '^capture \['
