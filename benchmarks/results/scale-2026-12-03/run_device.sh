@@ -18,7 +18,7 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_s
     args="--device cuda --cluster dgx_h200 --sandbox 4711"
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 $args --keep /tmp/w175 --json $OUT/pace-on-0.json > $OUT/pace.log 2>&1
-    for run in off-1 on-1 off-2; do
+    for run in ${RUNS:-off-1 on-1 off-2}; do
       python3 benchmarks/emulate_scale.py --graph /tmp/w175/capture/graph.prism $args --pace ${run%-*} \
         --keep /tmp/w175-$run --json $OUT/pace-$run.json >> $OUT/pace.log 2>&1
     done
