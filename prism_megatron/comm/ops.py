@@ -201,7 +201,7 @@ def copy_broadcast(dst: torch.Tensor, row: torch.Tensor, widen: Optional[bool] =
     `WIDEN_MIN_BYTES` of destination up."""
     k = dst.shape[0]
     if widen is None:
-        widen = dst.device.type == "cuda" and dst.numel() * dst.element_size() >= WIDEN_MIN_BYTES
+        widen = dst.is_cuda and dst.nbytes >= WIDEN_MIN_BYTES  # two C getters: no device object
     if (widen and type(dst) is torch.Tensor and type(row) is torch.Tensor
             and dst.dtype == row.dtype and row.dim() and dst.is_contiguous() and row.is_contiguous()):
         size = row.element_size()
