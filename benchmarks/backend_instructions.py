@@ -9,7 +9,7 @@ collected: each runs inside `functools.reduce`, the collection's toggle. torch's
 wrapper is included. It prints instructions per operation. It needs valgrind and takes minutes:
 torch's import runs under it.
 
-    python benchmarks/backend_instructions.py [--calls 200] [--world 8] [--json PATH]
+    python benchmarks/backend_instructions.py [--calls 200] [--world 8] [--json PATH] [--keep-out PATH]
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--keep-out", default=None, metavar="PATH",
+                        help="copy callgrind's output file here (for callgrind_annotate)")
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workload:
@@ -86,6 +88,8 @@ def main() -> int:
             print(f"error: the workload failed under valgrind (exit {proc.returncode}): "
                   f"{proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
             return 1
+        if args.keep_out:
+            shutil.copyfile(out, args.keep_out)
     per_op = int(found.group(1)) / args.calls
     print(f"instructions per synchronous all_reduce (prism group of {args.world}, recorder timed, "
           f"{args.calls} calls): {per_op:,.0f}")
