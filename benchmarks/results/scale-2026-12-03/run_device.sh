@@ -19,6 +19,11 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_s
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 $args --keep /tmp/w175 --json $OUT/pace-on-0.json > $OUT/pace.log 2>&1
     for run in ${RUNS:-off-1 on-1 off-2}; do
+      # (session 30) the host's speed before each run: slow runs had 1.6x the backend's host time
+      python3 -c "from prism_megatron.kernels.calibrate import host_reference_s as r; print('$run host_reference_s', r())" \
+        2>&1 | grep host_reference | tee -a $OUT/host_reference.txt
+      echo "$run loadavg $(cat /proc/loadavg) MHz $(grep MHz /proc/cpuinfo | awk '{s+=$4; n++} END {print s/n}')" \
+        | tee -a $OUT/host_reference.txt
       python3 benchmarks/emulate_scale.py --graph /tmp/w175/capture/graph.prism $args --pace ${run%-*} \
         --keep /tmp/w175-$run --json $OUT/pace-$run.json >> $OUT/pace.log 2>&1
     done
