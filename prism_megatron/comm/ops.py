@@ -205,7 +205,7 @@ def copy_broadcast(dst: torch.Tensor, row: torch.Tensor, widen: Optional[bool] =
     if (widen and type(dst) is torch.Tensor and type(row) is torch.Tensor
             and dst.dtype == row.dtype and row.dim() and dst.is_contiguous() and row.is_contiguous()):
         size = row.element_size()
-        row_bytes = row.numel() * size
+        row_bytes = dst.shape[-1] * size  # what dst's view needs; the row (as many elements) the same
         for wide in _WIDE_DTYPES:
             width = wide.itemsize
             if width <= size:

@@ -5,7 +5,8 @@ from two checkouts in turn, ROUNDS times each, with `train.iters` raised to ITER
 run the median over its iterations (the first left out) of the backend's host time and of its ratio
 to the rest of the iteration (the virtual clock sleeps nothing, so the rest is the sandbox's own
 work). One iteration's figure, which is what `emulate_scale.py` reports, moves by a point between
-iterations on the 2-core VM; the median of many does not.
+iterations on the 2-core VM; the median of many does not. (`../hostcost-2026-12-02/vm/emulate_ab.sh`
+compares whole emulations, and with them that one iteration's figure.)
 
     python tiny_ab.py SANDBOX_DIR OLD_ROOT NEW_ROOT [--rounds 3] [--iters 60] [--rank 4711]
 """
