@@ -66,7 +66,7 @@ def main() -> int:
             graph = Capture(cfg, os.path.join(tmp, "capture"), log=lambda s: print(s, file=sys.stderr)).run().graph_path
         print(f"{'sandbox':>12}{'rank':>6}{'N':>6}{'fraction':>11}{'peer ghosts':>13}{'classes':>9}"
               f"{'job iter ms':>13}{'peak MiB':>10}{'backend ms':>12}{'us/op':>7}{'replay ms':>11}"
-              f"{'overhead':>10}{'on device':>11}")
+              f"{'overhead':>10}{'on device':>11}{'compute ms':>12}{'idle ops':>10}{'idle share':>12}")
         for spec in args.sandbox:
             out = Emulation(graph, os.path.join(tmp, f"emu-{spec}"), [spec], load_cluster(args.cluster),
                             pace=pace).run()
@@ -78,7 +78,8 @@ def main() -> int:
                   f"{s['peak_allocated_bytes'] / 2**20:>10.2f}"
                   f"{s['backend_host_s_per_iteration'] * 1e3:>12.2f}{s['backend_host_s_per_op'] * 1e6:>7.0f}"
                   f"{s['replay_s'] * 1e3:>11.2f}{s['overhead_ratio'] * 100:>9.2f}%"
-                  f"{s['device_overhead_ratio'] * 100:>10.2f}%", flush=True)
+                  f"{s['device_overhead_ratio'] * 100:>10.2f}%{s['compute_s'] * 1e3:>12.2f}"
+                  f"{_idle(s)}", flush=True)
     if args.json:
         import torch
         gpu = torch.cuda.get_device_name() if args.device == "cuda" else None  # (node names say little)
@@ -87,6 +88,15 @@ def main() -> int:
                                                  "graph": args.graph or "captured",
                                                  "cluster": args.cluster, "rows": rows}, indent=1))
     return 0
+
+
+def _idle(s: dict) -> str:
+    """The host-bound figures on a device clock (operations that began with the device idle, and the
+    share of compute before them); blank on CPU, where the host is the device."""
+    bound = s.get("host_bound")
+    if not bound:
+        return f"{'-':>10}{'-':>12}"
+    return f"{bound['idle_ops']:>5}/{bound['ops']:<4}{bound['share'] * 100:>11.1f}%"
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def test_run_captures_once_then_emulates_the_sandbox(tmp_path):
     assert row["comm_ops_per_iteration"] > 0 and row["compute_s"] > 0
     assert 0 < row["backend_device_s_per_iteration"] <= row["backend_host_s_per_iteration"] * 1.5
     assert row["overhead_ratio"] == pytest.approx(row["backend_host_s_per_iteration"] / row["compute_s"])
+    assert "host_bound" not in row  # on CPU the host is the device
     assert row["device_overhead_ratio"] == pytest.approx(
         row["backend_device_s_per_iteration"] / row["compute_s"])
     assert Path(out["graph_path"]).is_file() and (tmp_path / "r" / "run.json").is_file()
@@ -66,3 +67,25 @@ def test_validate_is_the_fidelity_harness():
     bad = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "validate", "--configs", "nope"],
                          capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+
+
+def test_a_host_bound_sandbox_is_reported_and_warned_from_a_quarter_of_its_compute(capsys):
+    from prism_megatron.emulate.cli import _print
+    from prism_megatron.emulate.run import HOST_BOUND_WARN_SHARE, _host_bound
+
+    assert _host_bound({"device": "cpu"}) == {}
+    figures = {"ops": 400, "idle_ops": 37, "compute_s": 0.092, "idle_compute_s": 0.023, "share": 0.25}
+    assert HOST_BOUND_WARN_SHARE == 0.25
+    row = {"virtual_rank": 4711, "iteration_time_s": 1.0, "recorded_iteration_s": 0.5,
+           "peak_allocated_bytes": 2**20, "peak_reserved_bytes": 2**21, **_host_bound({"host_bound": figures})}
+    assert row["host_bound"]["warning"]
+    summary = {"ranks": 8192, "sandbox_count": 1, "physical_fraction": 1 / 8192, "materialized_ghosts": 9,
+               "classes": 30, "cluster": "dgx_h200", "clock": "virtual", "sim_wall_s": 1.0,
+               "iteration_time_s": 1.0, "tokens_per_s_per_gpu": 1.0, "mfu": 0.5, "sandbox": [row]}
+    _print(summary)
+    warned = capsys.readouterr().out
+    assert "WARNING" in warned and "37 of 400" in warned and "25.0%" in warned
+    row.update(_host_bound({"host_bound": dict(figures, idle_compute_s=0.01, share=0.1)}))
+    _print(summary)
+    quiet = capsys.readouterr().out
+    assert not row["host_bound"]["warning"] and "WARNING" not in quiet and "10.0%" in quiet

@@ -393,6 +393,45 @@ def test_two_pass_takes_labels_from_a_labelled_iteration_and_times_from_the_time
     assert names3 == names[:-1]  # the run's last iteration has no segment up to a next one
 
 
+class ProbedClock(StepClock):
+    """A device clock: `idle[k]` says whether the k-th probe finds the device idle."""
+
+    kind = "cuda"
+
+    def __init__(self, idle) -> None:
+        super().__init__()
+        self.idle = list(idle)
+
+    def device_idle(self) -> bool:
+        return self.idle.pop(0)
+
+
+def test_host_bound_counts_the_timed_iterations_compute_that_ended_with_the_device_idle():
+    """Two-pass: the figures are the timed iteration's (its anchors only), the labelled iterations'
+    probes count nowhere, and a segment counts when the operation it ends found the device idle."""
+    clock = ProbedClock([True, False, True, True])  # one probe per operation: iterations 1, 2, 2, 3
+    rec = Recorder(clock, lambda: 0, two_pass=True)
+    _layer_iteration(rec)
+    rec.begin_iteration()  # the timed iteration: two operations, the device idle before the second
+    clock.t += 0.010  # 10 ms of compute before the first operation, found busy
+    _comm(rec, group="tp0")
+    clock.t += 0.030  # 30 ms before the second, found idle
+    _comm(rec, group="tp0")
+    _layer_iteration(rec)
+    _built(rec, iteration=1)
+    bound = rec.built["host_bound"]
+    assert (bound["ops"], bound["idle_ops"]) == (2, 1)
+    # marks advance 1 ms: the segment ending at the second operation is its issue mark to its begin
+    assert bound["idle_compute_s"] == pytest.approx(0.031)
+    # its segments: begin to the first operation, issue to the second, issue to the next iteration
+    assert bound["compute_s"] == pytest.approx(0.011 + 0.031 + 0.001)
+    assert bound["share"] == pytest.approx(0.031 / 0.043)
+    host = Recorder(FakeClock(), lambda: 0)
+    _layer_iteration(host)
+    _built(host)
+    assert "host_bound" not in host.built  # the host is the device: nothing to wait for
+
+
 def test_two_pass_falls_back_to_one_pass_when_the_programs_differ():
     rec = Recorder(FakeClock(), lambda: 0, two_pass=True)
     _layer_iteration(rec, comm_group="tp0")

@@ -117,6 +117,15 @@ def _print(s: dict) -> None:
                   f"({row['backend_host_s_per_op'] * 1e6:.0f} us per operation); on the device "
                   f"{row['backend_device_s_per_iteration'] * 1e3:.2f} ms = "
                   f"{row['device_overhead_ratio'] * 100:.2f}%; replay {row['replay_s'] * 1e3:.1f} ms once")
+        bound = row.get("host_bound")
+        if bound:
+            print(f"    {'WARNING host-bound: ' if bound['warning'] else ''}the device waited for the "
+                  f"host at {bound['idle_ops']} of {bound['ops']} operations' begin, after "
+                  f"{bound['share'] * 100:.1f}% of its compute ({bound['idle_compute_s'] * 1e3:.2f} of "
+                  f"{bound['compute_s'] * 1e3:.2f} ms)" + (
+                      "; that compute waited for this host's Python and may be longer than on the "
+                      "production host: emulate on a less loaded or faster host, or --pace off"
+                      if bound["warning"] else ""))
     print(f"job: iteration {s['iteration_time_s'] * 1e3:.3f} ms | {s['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {s['mfu'] * 100:.2f}%")
     if s.get("perfetto"):

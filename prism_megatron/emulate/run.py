@@ -82,6 +82,8 @@ class Emulation:
     (faults/inject.py), so its measured compute already holds the fault."""
     _timed: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     """rank -> the iteration (0-based) whose durations its sandbox graph holds (trace/recorder.py)."""
+    _meta: dict[int, dict] = field(default_factory=dict, init=False, repr=False)
+    """rank -> its sandbox graph's meta (how it was recorded)."""
 
     def run(self) -> dict:
         start = time.perf_counter()
@@ -126,7 +128,8 @@ class Emulation:
                          "recorded_iteration_s": _span_s(measured[r]),
                          "peak_allocated_bytes": int(measured[r].peak_bytes),
                          "peak_reserved_bytes": int(measured[r].peak_reserved_bytes),
-                         "memory_source": measured[r].memory_source, **overhead[r]} for r in ranks],
+                         "memory_source": measured[r].memory_source, **overhead[r],
+                         **_host_bound(self._meta.get(r, {}))} for r in ranks],
             "wall_s": round(time.perf_counter() - start, 2), "graph_path": str(self.graph_path)}
         if world.world_size <= RANK_TIMES_UP_TO:  # as each rank's own log shows them: back to back
             summary["rank_iteration_time_s"] = [float(t) for t in sim.rank_periods(result)]
@@ -206,7 +209,7 @@ class Emulation:
         timed: dict[int, int] = {}
         graphs = run_sandboxes(text, ranks, out, device=self.device or _device_of(text),
                                script=self.script or script_for(_framework_of(text)),
-                               timeout_s=self.timeout_s, timed=timed, pooled=pooled)
+                               timeout_s=self.timeout_s, timed=timed, pooled=pooled, meta=self._meta)
         self._timed = timed
         return graphs
 
@@ -214,12 +217,14 @@ class Emulation:
 def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
                   script: Optional[Path] = None, timeout_s: float = 3600.0,
                   timed: Optional[dict[int, int]] = None,
-                  pooled: Optional[dict[int, list[int]]] = None) -> dict[int, tuple]:
+                  pooled: Optional[dict[int, list[int]]] = None,
+                  meta: Optional[dict[int, dict]] = None) -> dict[int, tuple]:
     """Run the job of `config_yaml` as sandbox ranks `ranks` (one process each, torchrun when more than
     one) with the recorder on; returns rank -> (its RoleGraph, the graph's strings). Writes
     `<out>/rank<R>.prism`, `<out>/summary<R>.json` and `<out>/run.log`. `timed` receives rank -> the
     index (0-based) of the iteration whose durations the graph holds (trace/recorder.py), `pooled`
-    rank -> the indices of every iteration they were pooled from (the timed one alone if none)."""
+    rank -> the indices of every iteration they were pooled from (the timed one alone if none), `meta`
+    rank -> its graph's meta."""
     out.mkdir(parents=True, exist_ok=True)
     script = script or script_for(_framework_of(config_yaml))
     config = out / "config.yaml"
@@ -258,6 +263,8 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
             timed[r] = index
         if pooled is not None:
             pooled[r] = [int(j) - 1 for j in g.meta.get("pooled_iterations") or []] or [index]
+        if meta is not None:
+            meta[r] = dict(g.meta)
     return graphs
 
 
@@ -321,6 +328,23 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
             "overhead_ratio": backend_s / compute_s if compute_s > 0 else None,
             "backend_device_s_per_iteration": device_s,
             "device_overhead_ratio": device_s / compute_s if compute_s > 0 else None}
+
+
+HOST_BOUND_WARN_SHARE = 0.25
+"""A sandbox whose compute was this share or more in segments that ended with its device idle
+(trace/recorder.py `_host_bound`) is reported as host-bound."""
+
+
+def _host_bound(meta: dict) -> dict:
+    """`host_bound` of a sandbox graph recorded on a device clock (trace/recorder.py), with `warning`
+    set where its share reaches HOST_BOUND_WARN_SHARE; {} on host clocks, where the host is the
+    device."""
+    figures = meta.get("host_bound")
+    if not figures:
+        return {}
+    figures = dict(figures)
+    figures["warning"] = figures.get("share", 0.0) >= HOST_BOUND_WARN_SHARE
+    return {"host_bound": figures}
 
 
 def _compute_s(g: RoleGraph) -> float:

@@ -113,8 +113,8 @@ class HostHolds:
     def hold_iteration(self) -> None:
         self._book.begin(self.now())
 
-    def stamp(self, ordinal: int) -> None:
-        """The held operation `ordinal` begins now."""
+    def stamp(self, ordinal: int, idle: Optional[bool] = None) -> None:
+        """The held operation `ordinal` begins now (`idle`: a device clock's probe, unused here)."""
         self._book.stamp(ordinal, self.now())
 
     def hold(self, ordinals, spin: bool) -> None:
@@ -217,11 +217,19 @@ class CudaClock:
     def hold_iteration(self) -> None:
         self._holds.begin()
 
-    def stamp(self, ordinal: int) -> None:
+    def device_idle(self) -> bool:
+        """Whether the current stream has run everything queued on it: the device waits for the host
+        now (the recorder counts the operations that begin so: trace/recorder.py `_host_bound`)."""
+        return self._current_stream().query()
+
+    def stamp(self, ordinal: int, idle: Optional[bool] = None) -> None:
         """The held operation `ordinal` begins now: stamped on the device where the current stream has
-        nothing queued (the operation begins there now, and the host's work in the backend is device
-        idle time); elsewhere its begin is taken as its issue less its recorded local part."""
-        if self._holds is not None and self._current_stream().query():
+        nothing queued (`idle`, probed here when not given: the operation begins there now, and the
+        host's work in the backend is device idle time); elsewhere its begin is taken as its issue
+        less its recorded local part."""
+        if idle is None:
+            idle = self._current_stream().query()
+        if self._holds is not None and idle:
             self._holds.stamp(ordinal)
 
     def hold(self, ordinals, spin: bool) -> None:

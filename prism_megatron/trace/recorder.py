@@ -76,6 +76,7 @@ class _Iteration:
     spans: list[tuple] = field(default_factory=list)    # (name, microbatch, chunk, first, last, m0, m1)
     moe: list[tuple] = field(default_factory=list)      # (layer, microbatch, chunk, tokens)
     mem: list[tuple[int, int]] = field(default_factory=list)  # (mark, bytes)
+    idle: list[int] = field(default_factory=list)  # marks of operations' begins found the device idle
 
     def add(self, mark: Any, anchor: Optional[str]) -> int:
         self.marks.append(mark)
@@ -103,6 +104,7 @@ class Recorder:
         launch-bound run pays as device idle; its peak comes from the allocator anyway).
         `two_pass`: alternate labelled and timed iterations (module docstring)."""
         self.clock = clock
+        self._device_idle = getattr(clock, "device_idle", None)  # a device clock's probe (build)
         self.blocking = (clock.kind == "cpu") if blocking_collectives is None else blocking_collectives
         self._allocated = allocated_bytes
         self._fine_memory = memory_at_module_boundaries
@@ -228,6 +230,9 @@ class Recorder:
             compute = self.clock.stream()
             now = self._cut(anchor=f"comm:{op}:{group}", stream=compute)
             it, stream = self._cur, "comm." + dim
+            idle = self._device_idle() if self._device_idle is not None else None
+            if idle:
+                it.idle.append(now)
             last = it.last
             deps = [last[compute]]  # the compute segment `_cut` just closed
             if stream in last:
@@ -239,7 +244,7 @@ class Recorder:
                 holds = self._holds
                 if holds is not None and ordinal < len(holds) and holds[ordinal] is not None \
                         and holds[ordinal].transfer_s is not None:
-                    self.clock.stamp(ordinal)  # its begin: what the backend's own work takes is the emulator's
+                    self.clock.stamp(ordinal, idle)  # its begin: the backend's own work is the emulator's
             if self._unissued and self._unissued[0][0] is not it:
                 self._unissued = []
             self._unissued.append((it, len(it.nodes)))
@@ -397,6 +402,8 @@ class Recorder:
         self.built = {"timing": "two-pass" if timed != labelled else "single-pass",
                       "timed_iteration": timed + 1, "labelled_iteration": labelled + 1,
                       "pooled_iterations": sorted(j + 1 for j in {timed, *pooled}) if pooled else []}
+        if self._device_idle is not None:
+            self.built["host_bound"] = self._host_bound(self.iterations[timed])
         b = RoleGraphBuilder(role, representative, strings)
         seq: dict[str, int] = {}
         for node in it.nodes:
@@ -418,6 +425,29 @@ class Recorder:
         mem_t = np.asarray([seconds[m] for m, _ in it.mem], dtype="f8")
         return b.build(mem_t_s=mem_t, mem_bytes=np.asarray([x[1] for x in it.mem], dtype="i8"),
                        **memory)
+
+    def _host_bound(self, it: _Iteration) -> dict:
+        """How far iteration `it` ran host-bound on a device clock: of its `ops` communication
+        operations, `idle_ops` began with the device idle (it had run everything queued before the
+        host issued the operation), and `idle_compute_s` of its `compute_s` was in the compute
+        segments that ended there. A segment that ends with the device idle lasts until the host
+        arrives, so its measured time holds host time: the device waited for the host's Python,
+        inside the segment as at its end, and where the production host runs ahead of its GPU the
+        same segment would be shorter. `share` = idle_compute_s / compute_s."""
+        seconds = self.clock.seconds(it.marks, it.marks[0])
+        idle = set(it.idle)
+        compute = idle_compute = 0.0
+        ops = 0
+        for node in it.nodes:
+            if node.kind != NodeKind.COMPUTE:
+                ops += 1
+                continue
+            duration = max(0.0, float(seconds[node.t1]) - float(seconds[node.t0]))
+            compute += duration
+            if node.t1 in idle:
+                idle_compute += duration
+        return {"ops": ops, "idle_ops": len(it.idle), "compute_s": compute, "idle_compute_s": idle_compute,
+                "share": idle_compute / compute if compute > 0 else 0.0}
 
     def steady_iterations(self) -> list[int]:
         """The timed full iterations (python indices) of the steady state: after the first two (the
