@@ -30,7 +30,9 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_s
     grep -v -i warn $OUT/pace.log | grep -v '^capture \['
     for f in /tmp/w175/emu-4711 /tmp/w175-*/emu-4711; do
       echo "== $f"; python3 $here/op_device.py $f/sandbox/rank4711.prism 2>&1 | grep -v -i warn
-    done ;;
+    done
+    # (session 31) at most 8 files come back: the runs' JSON in one tarball
+    tar -C $OUT -czf $OUT/pace-json.tgz $(cd $OUT && ls pace-*.json) && rm $OUT/pace-*.json ;;
   gpt175b_cold)  # (written in session 29, not yet run) why the run right after the capture is slower
     # (6.8 % on the device against 3.7-4.3 % from the kept graph): a cold Triton cache (the holds'
     # kernels compile in that run) or the capture itself. Unpaced right after the capture, then from
