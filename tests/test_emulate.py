@@ -71,11 +71,11 @@ def test_validate_is_the_fidelity_harness():
 
 def test_a_host_bound_sandbox_is_reported_and_warned_from_a_quarter_of_its_compute(capsys):
     from prism_megatron.emulate.cli import _print
-    from prism_megatron.emulate.run import HOST_BOUND_WARN_SHARE, _host_bound
+    from prism_megatron.emulate.run import HOST_BOUND_WARN_SHARE, _capture_share, _host_bound
 
     assert _host_bound({"device": "cpu"}) == {}
     figures = {"ops": 400, "idle_ops": 37, "compute_s": 0.092, "idle_compute_s": 0.023, "share": 0.25}
-    assert HOST_BOUND_WARN_SHARE == 0.25
+    assert HOST_BOUND_WARN_SHARE <= 0.25
     row = {"virtual_rank": 4711, "iteration_time_s": 1.0, "recorded_iteration_s": 0.5,
            "peak_allocated_bytes": 2**20, "peak_reserved_bytes": 2**21, **_host_bound({"host_bound": figures})}
     assert row["host_bound"]["warning"]
@@ -85,7 +85,22 @@ def test_a_host_bound_sandbox_is_reported_and_warned_from_a_quarter_of_its_compu
     _print(summary)
     warned = capsys.readouterr().out
     assert "WARNING" in warned and "37 of 400" in warned and "25.0%" in warned
-    row.update(_host_bound({"host_bound": dict(figures, idle_compute_s=0.01, share=0.1)}))
+    row.update(_host_bound({"host_bound": dict(figures, idle_compute_s=0.005, share=0.05)}))
     _print(summary)
     quiet = capsys.readouterr().out
-    assert not row["host_bound"]["warning"] and "WARNING" not in quiet and "10.0%" in quiet
+    assert not row["host_bound"]["warning"] and "WARNING" not in quiet and "5.0%" in quiet
+    summary["capture_host_bound_share"] = _capture_share({"host_bound_share": {"0": 0.02, "4711": 0.4}})
+    _print(summary)
+    assert "capture was host-bound: rank 4711's device waited for the host after 40%" in capsys.readouterr().out
+    assert _capture_share({}) is None and not _capture_share({"host_bound_share": {"1": 0.1}})["warning"]
+
+
+def test_capture_warns_of_its_host_bound_slices_by_rank():
+    from prism_megatron.capture.run import host_bound_warning
+
+    assert host_bound_warning({}) is None and host_bound_warning({3: 0.05}) is None
+    text = host_bound_warning({3: 0.05, 4711: 0.31, 7: 0.2})
+    assert text.startswith("capture: WARNING") and "rank 7 (20%), rank 4711 (31%)" in text
+    assert "rank 3" not in text and "\n" not in text
+    many = host_bound_warning({r: 0.5 for r in range(10)})
+    assert "rank 7 (50%) and 2 more" in many

@@ -40,6 +40,7 @@ from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.graph.check import GraphFileError, check_graph
 from prism_megatron.graph.io import load_graph, save_graph
 from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, structure_difference
+from prism_megatron.trace.recorder import HOST_BOUND_WARN_SHARE
 from prism_megatron.util import atomic_write_text, job_env
 from prism_megatron.world import Role, VirtualWorld
 
@@ -67,6 +68,8 @@ class Slice:
     wall_s: float = 0.0
     graph: Optional[RoleGraph] = None
     strings: list[str] = field(default_factory=list)
+    host_bound: Optional[dict] = None
+    """How far the slice ran host-bound on a device clock (trace/recorder.py); None on host clocks."""
 
 
 @dataclass
@@ -81,6 +84,9 @@ class CaptureResult:
     classes: list[dict]
     wall_s: float
     graph_bytes: int
+    host_bound_share: dict[int, float] = field(default_factory=dict)
+    """Captured rank -> the share of its compute that ended with its device waiting for the host
+    (trace/recorder.py `_host_bound`); empty on host clocks."""
 
     def summary(self) -> dict:
         return dict(self.__dict__, roles_captured=len(self.roles_captured),
@@ -172,6 +178,7 @@ class Capture:
         if _job_key(str(g.meta.get("config", ""))) != self.job_key or s.role not in g.roles:
             return False
         s.graph, s.strings = g.roles[s.role], g.strings
+        s.host_bound = g.meta.get("host_bound")
         return True
 
     def _command(self, s: Slice) -> list[str]:
@@ -218,7 +225,9 @@ class Capture:
                     free.append(slot)
                     s.wall_s += time.perf_counter() - t0
                     if rc == 0 and self._load(s):
-                        progress.step(f"rank {s.rank} {s.role} in {s.wall_s:.1f}s")
+                        idle = (f", its device waited for the host after {s.host_bound['share']:.0%} of "
+                                "its compute" if s.host_bound else "")
+                        progress.step(f"rank {s.rank} {s.role} in {s.wall_s:.1f}s{idle}")
                     elif s.attempts < 2:
                         self.log(f"capture: slice rank {s.rank} failed (exit {rc}); retrying once")
                         queue.append(s)
@@ -268,6 +277,10 @@ class Capture:
         path = str(self.out / "graph.prism")
         save_graph(graph, path)
         captured = [s for s in slices.values() if s.graph is not None]
+        shares = {s.rank: float(s.host_bound["share"]) for s in captured if s.host_bound}
+        warning = host_bound_warning(shares)
+        if warning:
+            self.log(warning)
         return CaptureResult(
             graph_path=path, roles_total=len(self.world.roles()),
             slices_run=sum(1 for s in captured if not s.reused),
@@ -276,7 +289,8 @@ class Capture:
             roles_captured=[str(s.role) for s in captured], roles_inferred=inferred,
             classes=[{"key": c.key, "roles": len(c.roles), "probes": [str(r) for r in c.probes],
                       "symmetric": verdicts[c.key]} for c in classes],
-            wall_s=round(time.perf_counter() - start, 3), graph_bytes=os.path.getsize(path))
+            wall_s=round(time.perf_counter() - start, 3), graph_bytes=os.path.getsize(path),
+            host_bound_share=shares)
 
     def _verify(self, c: RoleClass, slices: dict[Role, Slice]) -> bool:
         if len(c.roles) == 1:
@@ -321,9 +335,24 @@ class Capture:
         meta = {"config": self.config_text, "microbatches": self.microbatches,
                 "classes": {c.key: [str(r) for r in c.probes] for c in classes},
                 "device": f"fake:{self.cfg.emulation.target_gpu}" if execution == "fake" else self.device,
-                "execution": execution}
+                "execution": execution,
+                "host_bound_share": {str(s.rank): float(s.host_bound["share"]) for s in slices.values()
+                                     if s.graph is not None and s.host_bound}}
         ordered = {r: roles[r] for r in self.world.roles()}
         return ExecutionGraph(world=self.world, roles=ordered, strings=table.strings, meta=meta), inferred
+
+
+def host_bound_warning(shares: dict[int, float]) -> Optional[str]:
+    """The capture's warning for the slices (rank -> share of compute that ended with the device
+    waiting for the host) at or above HOST_BOUND_WARN_SHARE; None when there are none."""
+    bound = sorted(r for r, share in shares.items() if share >= HOST_BOUND_WARN_SHARE)
+    if not bound:
+        return None
+    named = ", ".join(f"rank {r} ({shares[r]:.0%})" for r in bound[:8])
+    more = f" and {len(bound) - 8} more" if len(bound) > 8 else ""
+    return (f"capture: WARNING host-bound slices: {named}{more} of their compute ended with the device "
+            "waiting for the host; those durations hold this host's Python time and may be longer than "
+            "on the production host: capture on a less loaded or faster host")
 
 
 def _job_key(config_yaml: str) -> Optional[dict]:

@@ -126,6 +126,10 @@ def _print(s: dict) -> None:
                       "; that compute waited for this host's Python and may be longer than on the "
                       "production host: emulate on a less loaded or faster host, or --pace off"
                       if bound["warning"] else ""))
+    captured = s.get("capture_host_bound_share")
+    if captured and captured["warning"]:
+        print(f"  WARNING the graph's capture was host-bound: rank {captured['rank']}'s device waited for "
+              f"the host after {captured['max']:.0%} of its compute; the ghosts replay those durations")
     print(f"job: iteration {s['iteration_time_s'] * 1e3:.3f} ms | {s['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {s['mfu'] * 100:.2f}%")
     if s.get("perfetto"):

@@ -39,6 +39,7 @@ from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
 from prism_megatron.trace import cuda_hold
+from prism_megatron.trace.recorder import HOST_BOUND_WARN_SHARE
 from prism_megatron.util import atomic_write_text, free_port, job_env
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
@@ -123,6 +124,7 @@ class Emulation:
             "materialized_ghosts": len(direct_peers(graph, ranks)), "classes": len(result.classes),
             "sim_wall_s": round(result.sim_wall_s, 4), "cluster": self.cluster.name, "faults": self.faults,
             "clock": "virtual", "paced": paced, "compute_durations_from": graph.meta.get("device", "?"),
+            "capture_host_bound_share": _capture_share(graph.meta),
             "sandbox": [{"virtual_rank": r, "iteration_time_s": float(class_times[r]),
                          "timed_iteration": self._timed[r] + 1,
                          "recorded_iteration_s": _span_s(measured[r]),
@@ -330,9 +332,15 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
             "device_overhead_ratio": device_s / compute_s if compute_s > 0 else None}
 
 
-HOST_BOUND_WARN_SHARE = 0.25
-"""A sandbox whose compute was this share or more in segments that ended with its device idle
-(trace/recorder.py `_host_bound`) is reported as host-bound."""
+def _capture_share(meta: dict) -> Optional[dict]:
+    """{"max", "rank"}: the captured rank whose compute most ended with its device waiting for the
+    host (capture/run.py), and that share; None for a graph captured on host clocks."""
+    shares = meta.get("host_bound_share") or {}
+    if not shares:
+        return None
+    rank = max(shares, key=shares.get)
+    return {"max": float(shares[rank]), "rank": int(rank),
+            "warning": float(shares[rank]) >= HOST_BOUND_WARN_SHARE}
 
 
 def _host_bound(meta: dict) -> dict:

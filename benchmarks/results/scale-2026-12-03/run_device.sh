@@ -1,12 +1,12 @@
 #!/bin/bash
 # One device call (1x H200), session 28: one rank of an N = 8192 job emulated on one GPU, with the
 # backend's host time and its device time against the sandbox's compute (issue [D]'s scale goal).
-# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | gpt175b_pace | gpt175b_cold | gpt175b_spy | copies | moe_ep64.
+# Run from the repository root with the wheels installed and OUT set. WHICH=gpt175b | gpt175b_ops | gpt175b_pace | gpt175b_cold | gpt175b_spy | hostbound | copies | moe_ep64.
 set -o pipefail
 export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 here=benchmarks/results/scale-2026-12-03
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_spy, copies or moe_ep64}" in
+case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_spy, hostbound, copies or moe_ep64}" in
   gpt175b)
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
@@ -78,6 +78,17 @@ case "${WHICH:?WHICH=gpt175b, gpt175b_ops, gpt175b_pace, gpt175b_cold, gpt175b_s
     gzip -f /tmp/spy-on.txt /tmp/spy-off.txt
     tar -C /tmp -czf $OUT/spy-extra.tgz spy-on.txt.gz spy-off.txt.gz w175/emu-4711/sandbox/summary4711.json \
       w175-spy-on/emu-4711/sandbox/summary4711.json w175-spy-off/emu-4711/sandbox/summary4711.json ;;
+  hostbound)  # (session 31) the host-bound probe where the host must be the bottleneck: the tiny
+    # layers of tiny_8192.yaml on the H200 (capture with its slices' shares, paced and unpaced
+    # emulation), then `prism-megatron emulate` as a user sees its report
+    args="--device cuda --cluster dgx_h200 --sandbox 4711"
+    python3 benchmarks/emulate_scale.py --config configs/tiny_8192.yaml train.iters=6 $args \
+      --keep /tmp/wt --json $OUT/hostbound-tiny-on.json > $OUT/hostbound.log 2>&1
+    python3 benchmarks/emulate_scale.py --graph /tmp/wt/capture/graph.prism $args --pace off \
+      --keep /tmp/wt-off --json $OUT/hostbound-tiny-off.json >> $OUT/hostbound.log 2>&1
+    python3 -m prism_megatron.cli emulate /tmp/wt/capture/graph.prism cluster=dgx_h200 --sandbox 4711 \
+      --out /tmp/wt-cli --json $OUT/hostbound-tiny-cli.json >> $OUT/hostbound.log 2>&1
+    grep -v -i warn $OUT/hostbound.log | grep -v "^ *$"; grep -i "WARNING" $OUT/hostbound.log ;;
   gpt175b_ops)  # the same as gpt175b, keeping the sandboxes' graphs: per op kind
     python3 benchmarks/emulate_scale.py --config configs/gpt175b_8192.yaml emulation.execution=real \
       train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox 4711 first-stage \
