@@ -258,6 +258,9 @@ def _row(label: str, world: int, spec: str, emus: list[dict], real_all: list[flo
                  f"{d['compute_alone_s'] * 1e3:.2f} ms vs together "
                  f"{d['compute_together_s'] * 1e3:.2f}"
                  f" ms; by name (ms): {d['compute_diff_ms_by_name']}")
+    shares = [e["sandbox"][0]["host_bound"]["share"] for e in emus if e["sandbox"][0].get("host_bound")]
+    if shares:  # on a device clock: how much of the sandbox's compute ended with its device idle
+        note += f"  host-bound share {' '.join(f'{x * 100:.1f}' for x in shares)} %"
     line = (f"{label:>42}{world:>3}{rank:>5}{real_s * 1e3:>10.2f}{row['real_spread_pct']:>7.2f}%"
             f"{emu_s * 1e3:>10.2f}{row['iter_err_pct']:>7.2f}%{real_peak / 2**20:>15.2f}"
             f"{emu_peak / 2**20:>14.2f}{row['mem_err_pct']:>9.4f}%{note}")
