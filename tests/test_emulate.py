@@ -93,6 +93,11 @@ def test_a_host_bound_sandbox_is_reported_and_warned_from_a_quarter_of_its_compu
     _print(summary)
     assert "capture was host-bound: rank 4711's device waited for the host after 40%" in capsys.readouterr().out
     assert _capture_share({}) is None and not _capture_share({"host_bound_share": {"1": 0.1}})["warning"]
+    row.update(realtime_iteration_s=1.01, realtime_vs_virtual_pct=1.0, realtime_vs_replay_pct=0.5,
+               realtime_host_bound=dict(figures, share=0.119))
+    _print(summary)
+    assert "+0.50% against the replay of this run's own compute); its device waited for the host after " \
+        "11.9% of its compute" in capsys.readouterr().out
 
 
 def test_capture_warns_of_its_host_bound_slices_by_rank():

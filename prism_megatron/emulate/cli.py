@@ -106,7 +106,9 @@ def _print(s: dict) -> None:
         if "realtime_iteration_s" in row:
             print(f"    realtime: measured {row['realtime_iteration_s'] * 1e3:.3f} ms with the holds "
                   f"({row['realtime_vs_virtual_pct']:+.2f}% against the virtual figure, "
-                  f"{row['realtime_vs_replay_pct']:+.2f}% against the replay of this run's own compute)")
+                  f"{row['realtime_vs_replay_pct']:+.2f}% against the replay of this run's own compute)"
+                  + (f"; its device waited for the host after {row['realtime_host_bound']['share']:.1%} of "
+                     "its compute" if row.get("realtime_host_bound") else ""))
             waits = row.get("realtime_injected_waits")
             if waits and waits.get("error_pct") is not None:
                 print(f"    holds that waited: {waits['count']}, asked {waits['planned_s'] * 1e3:.3f} ms, "

@@ -195,6 +195,9 @@ class Emulation:
             # the holds' own check: the wall against the replay of this run's own compute
             row["realtime_vs_replay_pct"] = (wall / float(times[r]) - 1) * 100
             row["realtime_injected_waits"] = run.get("injected_waits")
+            bound = _host_bound(self._meta.get(r, {}))  # the realtime run's own (its graph's meta)
+            if bound:
+                row["realtime_host_bound"] = bound["host_bound"]
             # the sandbox's compute at the production duty cycle against its compute in the first run
             # (clocks, power and thermal state differ): a measured fault profile for the replay
             factor = _compute_s(again[r]) / max(_compute_s(rank_graphs[r]), 1e-12)
