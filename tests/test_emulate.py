@@ -84,20 +84,21 @@ def test_a_host_bound_sandbox_is_reported_and_warned_from_a_quarter_of_its_compu
                "iteration_time_s": 1.0, "tokens_per_s_per_gpu": 1.0, "mfu": 0.5, "sandbox": [row]}
     _print(summary)
     warned = capsys.readouterr().out
-    assert "WARNING" in warned and "37 of 400" in warned and "25.0%" in warned
+    assert "WARNING" in warned and "37 of 400 operations' begin; 25.0% of its compute" in warned
     row.update(_host_bound({"host_bound": dict(figures, idle_compute_s=0.005, share=0.05)}))
     _print(summary)
     quiet = capsys.readouterr().out
     assert not row["host_bound"]["warning"] and "WARNING" not in quiet and "5.0%" in quiet
     summary["capture_host_bound_share"] = _capture_share({"host_bound_share": {"0": 0.02, "4711": 0.4}})
     _print(summary)
-    assert "capture was host-bound: rank 4711's device waited for the host after 40%" in capsys.readouterr().out
+    assert "capture was host-bound: 40% of rank 4711's compute ended with its device waiting" in \
+        capsys.readouterr().out
     assert _capture_share({}) is None and not _capture_share({"host_bound_share": {"1": 0.1}})["warning"]
     row.update(realtime_iteration_s=1.01, realtime_vs_virtual_pct=1.0, realtime_vs_replay_pct=0.5,
                realtime_host_bound=dict(figures, share=0.119))
     _print(summary)
-    assert "+0.50% against the replay of this run's own compute); its device waited for the host after " \
-        "11.9% of its compute" in capsys.readouterr().out
+    assert "+0.50% against the replay of this run's own compute); 11.9% of its compute ended with its " \
+        "device waiting for the host" in capsys.readouterr().out
 
 
 def test_capture_warns_of_its_host_bound_slices_by_rank():

@@ -225,8 +225,8 @@ class Capture:
                     free.append(slot)
                     s.wall_s += time.perf_counter() - t0
                     if rc == 0 and self._load(s):
-                        idle = (f", its device waited for the host after {s.host_bound['share']:.0%} of "
-                                "its compute" if s.host_bound else "")
+                        idle = (f", {s.host_bound['share']:.0%} of its compute ended with its device "
+                                "waiting for the host" if s.host_bound else "")
                         progress.step(f"rank {s.rank} {s.role} in {s.wall_s:.1f}s{idle}")
                     elif s.attempts < 2:
                         self.log(f"capture: slice rank {s.rank} failed (exit {rc}); retrying once")
@@ -277,7 +277,7 @@ class Capture:
         path = str(self.out / "graph.prism")
         save_graph(graph, path)
         captured = [s for s in slices.values() if s.graph is not None]
-        shares = {s.rank: float(s.host_bound["share"]) for s in captured if s.host_bound}
+        shares = _host_bound_shares(captured)
         warning = host_bound_warning(shares)
         if warning:
             self.log(warning)
@@ -336,10 +336,16 @@ class Capture:
                 "classes": {c.key: [str(r) for r in c.probes] for c in classes},
                 "device": f"fake:{self.cfg.emulation.target_gpu}" if execution == "fake" else self.device,
                 "execution": execution,
-                "host_bound_share": {str(s.rank): float(s.host_bound["share"]) for s in slices.values()
-                                     if s.graph is not None and s.host_bound}}
+                "host_bound_share": {str(r): share for r, share in _host_bound_shares(
+                    [s for s in slices.values() if s.graph is not None]).items()}}
         ordered = {r: roles[r] for r in self.world.roles()}
         return ExecutionGraph(world=self.world, roles=ordered, strings=table.strings, meta=meta), inferred
+
+
+def _host_bound_shares(slices: list[Slice]) -> dict[int, float]:
+    """Rank -> the share of its compute that ended with its device waiting for the host, for the
+    slices recorded on a device clock."""
+    return {s.rank: float(s.host_bound["share"]) for s in slices if s.host_bound}
 
 
 def host_bound_warning(shares: dict[int, float]) -> Optional[str]:

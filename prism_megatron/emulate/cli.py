@@ -107,8 +107,8 @@ def _print(s: dict) -> None:
             print(f"    realtime: measured {row['realtime_iteration_s'] * 1e3:.3f} ms with the holds "
                   f"({row['realtime_vs_virtual_pct']:+.2f}% against the virtual figure, "
                   f"{row['realtime_vs_replay_pct']:+.2f}% against the replay of this run's own compute)"
-                  + (f"; its device waited for the host after {row['realtime_host_bound']['share']:.1%} of "
-                     "its compute" if row.get("realtime_host_bound") else ""))
+                  + (f"; {row['realtime_host_bound']['share']:.1%} of its compute ended with its device "
+                     "waiting for the host" if row.get("realtime_host_bound") else ""))
             waits = row.get("realtime_injected_waits")
             if waits and waits.get("error_pct") is not None:
                 print(f"    holds that waited: {waits['count']}, asked {waits['planned_s'] * 1e3:.3f} ms, "
@@ -122,16 +122,17 @@ def _print(s: dict) -> None:
         bound = row.get("host_bound")
         if bound:
             print(f"    {'WARNING host-bound: ' if bound['warning'] else ''}the device waited for the "
-                  f"host at {bound['idle_ops']} of {bound['ops']} operations' begin, after "
+                  f"host at {bound['idle_ops']} of {bound['ops']} operations' begin; "
                   f"{bound['share'] * 100:.1f}% of its compute ({bound['idle_compute_s'] * 1e3:.2f} of "
-                  f"{bound['compute_s'] * 1e3:.2f} ms)" + (
+                  f"{bound['compute_s'] * 1e3:.2f} ms) ended there" + (
                       "; that compute waited for this host's Python and may be longer than on the "
                       "production host: emulate on a less loaded or faster host, or --pace off"
                       if bound["warning"] else ""))
     captured = s.get("capture_host_bound_share")
     if captured and captured["warning"]:
-        print(f"  WARNING the graph's capture was host-bound: rank {captured['rank']}'s device waited for "
-              f"the host after {captured['max']:.0%} of its compute; the ghosts replay those durations")
+        print(f"  WARNING the graph's capture was host-bound: {captured['max']:.0%} of rank "
+              f"{captured['rank']}'s compute ended with its device waiting for the host; the ghosts "
+              "replay those durations")
     print(f"job: iteration {s['iteration_time_s'] * 1e3:.3f} ms | {s['tokens_per_s_per_gpu']:.1f} "
           f"tokens/s/GPU | MFU {s['mfu'] * 100:.2f}%")
     if s.get("perfetto"):

@@ -336,8 +336,9 @@ def _overhead(summary_path: Path, g: RoleGraph, replay_s: float, timed: int) -> 
 
 
 def _capture_share(meta: dict) -> Optional[dict]:
-    """{"max", "rank"}: the captured rank whose compute most ended with its device waiting for the
-    host (capture/run.py), and that share; None for a graph captured on host clocks."""
+    """{"rank", "max", "warning"}: the captured rank whose compute most ended with its device waiting
+    for the host (capture/run.py), that share, and whether it reaches HOST_BOUND_WARN_SHARE; None for
+    a graph captured on host clocks."""
     shares = meta.get("host_bound_share") or {}
     if not shares:
         return None
