@@ -131,3 +131,27 @@ def test_a_directory_without_a_run_is_one_line_and_exit_2(tmp_path):
     proc = _cli("report", str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no run.json or emulation.json" in proc.stderr
+
+
+def test_the_sandbox_table_says_how_host_bound_each_sandbox_and_the_capture_were(tmp_path):
+    import numpy as np
+
+    from prism_megatron.report.page import ReportData, render_html, render_markdown
+
+    bound = {"ops": 19, "idle_ops": 18, "compute_s": 0.016, "idle_compute_s": 0.0144, "share": 0.9,
+             "warning": True}
+    summary = {"iteration_time_s": 0.126, "tokens_per_s_per_gpu": 4.0, "mfu": 0.0, "ranks": 4,
+               "sandbox_count": 2, "physical_fraction": 0.5, "materialized_ghosts": 2, "classes": 3,
+               "cluster": "dgx_h200", "capture_host_bound_share": {"rank": 3, "max": 0.87, "warning": True},
+               "sandbox": [{"virtual_rank": 1, "iteration_time_s": 0.126, "recorded_iteration_s": 0.1,
+                            "peak_allocated_bytes": 2**30, "host_bound": bound},
+                           {"virtual_rank": 2, "iteration_time_s": 0.126, "recorded_iteration_s": 0.1,
+                            "peak_allocated_bytes": 2**30}]}
+    data = ReportData(source=tmp_path / "emulation.json", summary=summary,
+                      rank_peak_bytes=np.full(4, 2**30, dtype=np.int64), sandbox_ranks=[1, 2])
+    page, text = render_html(data, tmp_path), render_markdown(data)
+    for out in (page, text):
+        assert "90.0% (host-bound: its compute holds host time)" in out and "n/a (host clock)" in out
+        assert "87% of rank 3's compute ended with its device waiting for the host" in out
+    summary["capture_host_bound_share"]["warning"] = False
+    assert "capture was host-bound" not in render_markdown(data)

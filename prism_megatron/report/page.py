@@ -205,7 +205,8 @@ def render_html(data: ReportData, out_dir: Optional[Path] = None) -> str:
         f"<tr><td>{r['virtual_rank']}</td><td>{r['iteration_time_s'] * 1e3:.2f} ms</td>"
         f"<td>{r.get('recorded_iteration_s', 0) * 1e3:.2f} ms</td>"
         f"<td>{r['peak_allocated_bytes'] / GIB:.4f} GiB</td>"
-        f"<td>{r.get('peak_reserved_bytes', 0) / GIB:.4f} GiB</td></tr>" for r in s.get("sandbox", []))
+        f"<td>{r.get('peak_reserved_bytes', 0) / GIB:.4f} GiB</td>"
+        f"<td>{html.escape(host_wait(r))}</td></tr>" for r in s.get("sandbox", []))
     moe = (f"<h2>MoE tokens per expert and layer <span class=\"src captured\">captured</span></h2>"
            f"{moe_svg(data.moe_tokens)}" if data.moe_tokens is not None else "")
     timeline = (f"<h2>Pipeline timeline <span class=\"src modelled\">modelled</span></h2>"
@@ -215,6 +216,8 @@ def render_html(data: ReportData, out_dir: Optional[Path] = None) -> str:
         link = html.escape(_relative(data.perfetto, out_dir or data.source.parent))
         perfetto = (f'<p>Perfetto trace: <a id="perfetto-link" href="{link}">'
                     f"{html.escape(Path(data.perfetto).name)}</a> (open it in ui.perfetto.dev)</p>")
+    capture = capture_wait(s)
+    capture_note = f'<p id="capture-host-bound">{html.escape(capture, quote=False)}</p>' if capture else ""
     cluster, clock = html.escape(str(s.get("cluster", "?"))), html.escape(str(s.get("clock", "virtual")))
     where = (f"From {html.escape(str(data.source))}: {s['ranks']} virtual ranks, cluster {cluster}, "
              f"{clock} clock.")
@@ -230,7 +233,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}
 <table id="headline"><tr><th>figure</th><th>value</th><th>from</th></tr>{rows}</table>
 <h2>Sandbox ranks <span class="src measured">measured</span></h2>
 <table id="sandboxes"><tr><th>virtual rank</th><th>in the job (modelled)</th><th>own recorded iteration</th>
-<th>peak allocated</th><th>peak reserved</th></tr>{sandbox_rows}</table>
+<th>peak allocated</th><th>peak reserved</th><th>compute that ended waiting for the host</th></tr>
+{sandbox_rows}</table>{capture_note}
 <h2>Peak memory per rank <span class="src captured">captured</span> (sandboxes red: measured)</h2>
 {memory_svg(data)}
 {moe}
@@ -246,15 +250,36 @@ def render_markdown(data: ReportData) -> str:
              "| figure | value | from |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in headline(data)]
     lines += ["", "## Sandbox ranks (measured)", "",
-              "| virtual rank | in the job | own recorded iteration | peak allocated |",
-              "|---:|---:|---:|---:|"]
+              "| virtual rank | in the job | own recorded iteration | peak allocated | compute that ended "
+              "waiting for the host |", "|---:|---:|---:|---:|---|"]
     lines += [f"| {r['virtual_rank']} | {r['iteration_time_s'] * 1e3:.2f} ms | "
-              f"{r.get('recorded_iteration_s', 0) * 1e3:.2f} ms | {r['peak_allocated_bytes'] / GIB:.4f} GiB |"
-              for r in s.get("sandbox", [])]
+              f"{r.get('recorded_iteration_s', 0) * 1e3:.2f} ms | {r['peak_allocated_bytes'] / GIB:.4f} GiB | "
+              f"{host_wait(r)} |" for r in s.get("sandbox", [])]
+    capture = capture_wait(s)
+    if capture:
+        lines += ["", capture]
     if data.perfetto:
         lines += ["", f"Perfetto trace: `{data.perfetto}` (open it in ui.perfetto.dev)."]
     lines += ["", "Charts (peak memory per rank, MoE tokens, pipeline timeline): `report.html`.", ""]
     return "\n".join(lines)
+
+
+def host_wait(row: dict) -> str:
+    """A sandbox's host-bound figure (emulate/run.py `host_bound`): the share of its compute that ended
+    with its device waiting for the host, flagged where it warns; a host clock has none."""
+    bound = row.get("host_bound")
+    if not bound:
+        return "n/a (host clock)"
+    return f"{bound['share']:.1%}" + (" (host-bound: its compute holds host time)" if bound.get("warning") else "")
+
+
+def capture_wait(summary: dict) -> Optional[str]:
+    """The warning for a graph whose capture was host-bound (emulate/run.py `_capture_share`)."""
+    captured = summary.get("capture_host_bound_share")
+    if not captured or not captured.get("warning"):
+        return None
+    return (f"The capture was host-bound: {captured['max']:.0%} of rank {captured['rank']}'s compute "
+            "ended with its device waiting for the host, and the ghosts replay those durations.")
 
 
 def _relative(path: str, base: Path) -> str:
