@@ -402,7 +402,8 @@ class ProbedClock(StepClock):
         super().__init__()
         self.idle = list(idle)
 
-    def device_idle(self) -> bool:
+    def device_idle(self, mark) -> bool:
+        assert mark == self.t  # the mark that ended the segment: the latest
         return self.idle.pop(0)
 
 

@@ -40,7 +40,7 @@ from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.graph.check import GraphFileError, check_graph
 from prism_megatron.graph.io import load_graph, save_graph
 from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, structure_difference
-from prism_megatron.trace.recorder import HOST_BOUND_WARN_SHARE
+from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE
 from prism_megatron.util import atomic_write_text, job_env
 from prism_megatron.world import Role, VirtualWorld
 
@@ -86,7 +86,7 @@ class CaptureResult:
     graph_bytes: int
     host_bound_share: dict[int, float] = field(default_factory=dict)
     """Captured rank -> the share of its compute that ended with its device waiting for the host
-    (trace/recorder.py `_host_bound`); empty on host clocks."""
+    (trace/iterations.py `host_bound`); empty on host clocks."""
 
     def summary(self) -> dict:
         return dict(self.__dict__, roles_captured=len(self.roles_captured),

@@ -39,7 +39,7 @@ from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
 from prism_megatron.trace import cuda_hold
-from prism_megatron.trace.recorder import HOST_BOUND_WARN_SHARE
+from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE
 from prism_megatron.util import atomic_write_text, free_port, job_env
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks

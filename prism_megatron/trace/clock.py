@@ -217,10 +217,11 @@ class CudaClock:
     def hold_iteration(self) -> None:
         self._holds.begin()
 
-    def device_idle(self) -> bool:
-        """Whether the current stream has run everything queued on it: the device waits for the host
-        now (the recorder counts the operations that begin so: trace/recorder.py `_host_bound`)."""
-        return self._current_stream().query()
+    def device_idle(self, mark: Any) -> bool:
+        """Whether the device has run everything queued on the stream before `mark`, this clock's
+        latest mark (an event: nothing was queued after it): the device waits for the host now (the
+        recorder counts the operations that begin so: trace/iterations.py `host_bound`)."""
+        return mark.query()
 
     def stamp(self, ordinal: int, idle: Optional[bool] = None) -> None:
         """The held operation `ordinal` begins now: stamped on the device where the current stream has

@@ -39,59 +39,13 @@ No torch.distributed here: the hooks (trace/attach.py) translate framework event
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from prism_megatron.graph.model import NodeKind, RoleGraph, RoleGraphBuilder, StringTable
+from prism_megatron.trace.iterations import Iteration, Node, host_bound, mapped_seconds, same_program
 from prism_megatron.world import Role
-
-
-@dataclass(slots=True)
-class _Node:
-    kind: NodeKind
-    name: str
-    stream: str
-    t0: int  # index into the iteration's marks
-    t1: Optional[int]
-    deps: list[int]
-    op: str = ""
-    dim: str = ""
-    group: str = ""
-    nbytes: int = 0
-    dtype: str = ""
-    peer_delta: Optional[int] = None
-    ordinal: int = -1  # the k-th communication operation of its iteration (injected waits)
-
-
-@dataclass
-class _Iteration:
-    labelled: bool
-    marks: list[Any] = field(default_factory=list)        # device-clock marks in program order; [0]: origin
-    anchor: list[bool] = field(default_factory=list)      # per mark: an anchor (see the module docstring)
-    signature: list[str] = field(default_factory=list)    # per anchor: what made it
-    nodes: list[_Node] = field(default_factory=list)
-    last: dict[str, int] = field(default_factory=dict)  # stream -> its latest node
-    spans: list[tuple] = field(default_factory=list)    # (name, microbatch, chunk, first, last, m0, m1)
-    moe: list[tuple] = field(default_factory=list)      # (layer, microbatch, chunk, tokens)
-    mem: list[tuple[int, int]] = field(default_factory=list)  # (mark, bytes)
-    idle: list[int] = field(default_factory=list)  # marks of operations' begins found the device idle
-
-    def add(self, mark: Any, anchor: Optional[str]) -> int:
-        self.marks.append(mark)
-        self.anchor.append(anchor is not None)
-        if anchor is not None:
-            self.signature.append(anchor)
-        return len(self.marks) - 1
-
-
-HOST_BOUND_WARN_SHARE = 0.15
-"""A rank whose compute was this share or more in segments that ended with its device idle
-(`Recorder._host_bound`) is reported as host-bound. Measured on one H200 host (the 175B rank 4711,
-seven emulations of one graph, benchmarks/results/scale-2026-12-03): the share ranged 5.0-18.3 % and
-the measured compute 86.2-94.9 ms with it (correlation 0.97); at 18.3 % it was 10 % above the
-fastest run's."""
 
 
 class RecorderError(RuntimeError):
@@ -124,17 +78,17 @@ class Recorder:
         self._holds: Optional[list] = None  # emulate/holds.py's Hold per ordinal (None: not held)
         self._comm_ordinal = 0
         self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
-        self._unissued: list[tuple[_Iteration, int]] = []  # comm nodes begun, their Work not yet returned
+        self._unissued: list[tuple[Iteration, int]] = []  # comm nodes begun, their Work not yet returned
         self._real_peer = False  # one of those has another sandbox among its members
         self._lock = threading.RLock()
-        self.setup = _Iteration(labelled=True)
-        self.iterations: list[_Iteration] = []
+        self.setup = Iteration(labelled=True)
+        self.iterations: list[Iteration] = []
         self._cur = self.setup
         self._seg_start = self.setup.add(clock.mark(), "iteration")
         self._labels: list[str] = ["host"]
         self._open_spans: list[tuple] = []
         self._pending: dict[str, list[int]] = {}  # stream -> deps of its next compute node
-        self._events: dict[int, tuple[_Iteration, int]] = {}  # id(device event) -> node it marks
+        self._events: dict[int, tuple[Iteration, int]] = {}  # id(device event) -> node it marks
         self._works: dict[int, tuple] = {}  # id(Work) -> (Work, iteration, its nodes, their ordinals)
 
     @property
@@ -186,7 +140,7 @@ class Recorder:
         with self._lock:
             mark = self._cur.marks[self._cut(anchor="iteration")]  # ends one, begins the next
             labelled = not self.two_pass or len(self.iterations) % 2 == 0
-            self._cur = _Iteration(labelled=labelled)
+            self._cur = Iteration(labelled=labelled)
             self._seg_start = self._cur.add(mark, "iteration")
             self.iterations.append(self._cur)
             self._pending = {}
@@ -238,7 +192,7 @@ class Recorder:
             compute = self.clock.stream()
             now = self._cut(anchor=f"comm:{op}:{group}", stream=compute)
             it, stream = self._cur, "comm." + dim
-            idle = self._device_idle() if self._device_idle is not None else None
+            idle = self._device_idle(it.marks[now]) if self._device_idle is not None else None
             if idle:
                 it.idle.append(now)
             last = it.last
@@ -257,7 +211,7 @@ class Recorder:
                 self._unissued = []
             self._unissued.append((it, len(it.nodes)))
             self._real_peer = self._real_peer or real_peer
-            it.nodes.append(_Node(NodeKind.COMM, op, stream, now, None, deps, op, dim, group, nbytes,
+            it.nodes.append(Node(NodeKind.COMM, op, stream, now, None, deps, op, dim, group, nbytes,
                                   dtype, peer_delta, ordinal))
 
     def comm_event(self, event: Any) -> None:
@@ -371,7 +325,7 @@ class Recorder:
         if pending:
             deps += pending
         last[stream] = len(it.nodes)
-        it.nodes.append(_Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
+        it.nodes.append(Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
         if sample_memory and it.labelled:
             it.mem.append((now, self._allocated()))
         self._seg_start = now
@@ -400,18 +354,22 @@ class Recorder:
             timed, labelled = self._pair(k)
             # The last iteration ends at its last boundary: what follows (end-of-run logging,
             # summaries) is not part of a training iteration.
-        it = self.iterations[labelled]
-        seconds = self._seconds(it, self.iterations[timed])
+        it, timed_it = self.iterations[labelled], self.iterations[timed]
+        seconds = mapped_seconds(self.clock, it, timed_it)
+        timed_seconds = seconds if timed_it is it else None  # its own marks' seconds, when it is one
         pooled = [j for j in pool if j != timed and 0 <= j < n_it and not self.iterations[j].labelled
-                  and _same_program(it, self.iterations[j], self.iterations[-1])]
+                  and same_program(it, self.iterations[j], self.iterations[-1])]
         if pooled:
-            steps = [np.diff(seconds)] + [np.diff(self._seconds(it, self.iterations[j])) for j in pooled]
+            steps = [np.diff(seconds)] + [np.diff(mapped_seconds(self.clock, it, self.iterations[j]))
+                                          for j in pooled]
             seconds = np.concatenate([seconds[:1], seconds[0] + np.cumsum(np.median(steps, axis=0))])
         self.built = {"timing": "two-pass" if timed != labelled else "single-pass",
                       "timed_iteration": timed + 1, "labelled_iteration": labelled + 1,
                       "pooled_iterations": sorted(j + 1 for j in {timed, *pooled}) if pooled else []}
         if self._device_idle is not None:
-            self.built["host_bound"] = self._host_bound(self.iterations[timed])
+            if timed_seconds is None:
+                timed_seconds = self.clock.seconds(timed_it.marks, timed_it.marks[0])
+            self.built["host_bound"] = host_bound(timed_it, timed_seconds)
         b = RoleGraphBuilder(role, representative, strings)
         seq: dict[str, int] = {}
         for node in it.nodes:
@@ -433,29 +391,6 @@ class Recorder:
         mem_t = np.asarray([seconds[m] for m, _ in it.mem], dtype="f8")
         return b.build(mem_t_s=mem_t, mem_bytes=np.asarray([x[1] for x in it.mem], dtype="i8"),
                        **memory)
-
-    def _host_bound(self, it: _Iteration) -> dict:
-        """How far iteration `it` ran host-bound on a device clock: of its `ops` communication
-        operations, `idle_ops` began with the device idle (it had run everything queued before the
-        host issued the operation), and `idle_compute_s` of its `compute_s` was in the compute
-        segments that ended there. A segment that ends with the device idle lasts until the host
-        arrives, so its measured time holds host time: the device waited for the host's Python,
-        inside the segment as at its end, and where the production host runs ahead of its GPU the
-        same segment would be shorter. `share` = idle_compute_s / compute_s."""
-        seconds = self.clock.seconds(it.marks, it.marks[0])
-        idle = set(it.idle)
-        compute = idle_compute = 0.0
-        ops = 0
-        for node in it.nodes:
-            if node.kind != NodeKind.COMPUTE:
-                ops += 1
-                continue
-            duration = max(0.0, float(seconds[node.t1]) - float(seconds[node.t0]))
-            compute += duration
-            if node.t1 in idle:
-                idle_compute += duration
-        return {"ops": ops, "idle_ops": len(it.idle), "compute_s": compute, "idle_compute_s": idle_compute,
-                "share": idle_compute / compute if compute > 0 else 0.0}
 
     def steady_iterations(self) -> list[int]:
         """The timed full iterations (python indices) of the steady state: after the first two (the
@@ -487,33 +422,6 @@ class Recorder:
         if timed is None:
             return k, k
         for j in (k, timed - 1, timed + 1):
-            if 0 <= j < len(its) and its[j].labelled and _same_program(its[j], its[timed], its[-1]):
+            if 0 <= j < len(its) and its[j].labelled and same_program(its[j], its[timed], its[-1]):
                 return timed, j
         return (k, k) if its[k].labelled else (timed, timed)
-
-    def _seconds(self, it: _Iteration, timed: _Iteration) -> np.ndarray:
-        """Seconds of every mark of `it` from its origin, on the clock of `timed` (module docstring)."""
-        own = self.clock.seconds(it.marks, it.marks[0])
-        if timed is it:
-            return own
-        anchors = np.flatnonzero(np.asarray(it.anchor, dtype=bool))
-        a0 = own[anchors]
-        theirs = np.flatnonzero(timed.anchor)[:len(anchors)]
-        target = self.clock.seconds([timed.marks[i] for i in theirs], timed.marks[0])
-        if len(target) < len(a0):  # the run's last iteration goes on past the other: as recorded
-            target = np.concatenate([target, target[-1] + a0[len(target):] - a0[len(target) - 1]])
-        before = np.cumsum(it.anchor) - 1  # per mark: its anchor or the anchor before it
-        span_own = np.diff(a0, append=np.nan)
-        span_target = np.diff(target, append=np.nan)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            scale = np.where(span_own > 0, span_target / span_own, 0.0)
-        scale = np.nan_to_num(scale, nan=1.0)  # after the last anchor: as recorded
-        return target[before] + (own - a0[before]) * scale[before]
-
-
-def _same_program(labelled: _Iteration, timed: _Iteration, last: _Iteration) -> bool:
-    """Whether both ran one program: the same anchors in the same order (the run's `last` iteration
-    has no next iteration's begin, and may go on with what the run does after training)."""
-    a, b = labelled.signature, timed.signature
-    n = min(len(a), len(b))
-    return n > 0 and a[:n] == b[:n] and (len(a) == len(b) or last in (labelled, timed))

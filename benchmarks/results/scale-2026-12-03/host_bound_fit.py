@@ -2,7 +2,7 @@
 
 Reads `emulate_scale.py --json` outputs (default: this directory's pace-*-s31.json, rank 4711 of the
 175B job on one H200) and prints per run the sandbox's compute, the backend's host time per
-operation, the device overhead ratio and the probe's figures (trace/recorder.py `_host_bound`), then
+operation, the device overhead ratio and the probe's figures (trace/iterations.py `host_bound`), then
 the least-squares line compute = a * idle_compute + b and the correlation of the two.
 
     python benchmarks/results/scale-2026-12-03/host_bound_fit.py [FILE ...]
