@@ -251,6 +251,11 @@ def _row(label: str, world: int, spec: str, emus: list[dict], real_all: list[flo
                    realtime_holds=[rt.get("realtime_injected_waits") for rt in realtime])
         note = (f"  realtime wall against virtual {' '.join(f'{x:+.2f}' for x in vs_virtual)} %, against "
                 f"the replay of its own compute {' '.join(f'{x:+.2f}' for x in vs_replay)} %")
+        for run in ("realtime", "paced"):  # each iteration's wall against the replay of its own durations
+            own = [rt[f"{run}_vs_own_iterations_pct"] for rt in realtime if f"{run}_vs_own_iterations_pct" in rt]
+            if own:
+                row[f"{run}_vs_own_iterations_runs"] = own
+                note += f", {run} iteration by iteration {' '.join(f'{x:+.2f}' for x in own)} %"
     if "diagnosis" in emus[0]:
         row["diagnosis"] = d = emus[0]["diagnosis"]
         note += (f"\n    all ranks sandboxes: replay {d['all_sandbox_replay_s'] * 1e3:.2f} ms "

@@ -192,6 +192,13 @@ def test_realtime_clock_holds_the_sandbox_as_the_replay_says(real_and_captured, 
     wall, replayed = row["realtime_iteration_s"], row["realtime_replay_iteration_s"]
     assert out["clock"] == "realtime" and abs(wall / replayed - 1) < 0.35, (wall, replayed)
     assert row["realtime_vs_replay_pct"] == pytest.approx((wall / replayed - 1) * 100)
+    # iteration by iteration, in both runs: each pooled iteration's wall against the replay of its
+    # own durations (a stall stays in its own iteration on both sides)
+    for run_name in ("realtime", "paced"):
+        own = row[f"{run_name}_own_iterations"]
+        assert len(own) >= 1 and all(abs(x["wall_s"] / x["replay_s"] - 1) < 0.35 for x in own), own
+        assert [x["iteration"] for x in own] == sorted(x["iteration"] for x in own)
+        assert row[f"{run_name}_vs_own_iterations_pct"] == pytest.approx(np.median([x["err_pct"] for x in own]))
     # against the virtual figure of the first run: this VM's CPU runs at one of two speeds (1.75x
     # apart, in phases of seconds), and the second run's compute over the first's (the factor) says
     # which one each saw; -51 % once in CI with a faster second run

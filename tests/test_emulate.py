@@ -101,6 +101,10 @@ def test_a_host_bound_sandbox_is_reported_and_warned_from_a_quarter_of_its_compu
     _print(summary)
     assert "+0.50% against the replay of this run's own compute); 11.9% of its compute ended with its " \
         "device waiting for the host" in capsys.readouterr().out
+    row.update(realtime_vs_own_iterations_pct=0.21, paced_vs_own_iterations_pct=-0.13)
+    _print(summary)
+    assert "each iteration's wall against the replay of its own compute (median): realtime run +0.21%, " \
+        "paced run -0.13%" in capsys.readouterr().out
 
 
 def test_capture_warns_of_its_host_bound_slices_by_rank():

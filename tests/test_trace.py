@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -571,6 +573,26 @@ def test_node_median_pools_the_steady_iterations_interval_by_interval():
     assert clean.columns["duration_s"][mlp] < 2e-3
     cols = pooled.columns
     assert np.allclose(cols["start_s"][1:], (cols["start_s"] + cols["duration_s"])[:-1])
+    # each pooled iteration as it ran, for the realtime check iteration by iteration: the hiccup stays
+    # in its own iteration's row, and a single-iteration build keeps none
+    iterations, durations = rec.iteration_durations
+    assert iterations == [4, 6, 8] and durations.shape == (3, len(names))
+    assert durations[0][mlp] > 0.01 and np.allclose(durations[1:], clean.columns["duration_s"])
+    assert np.allclose(np.median(durations, axis=0), cols["duration_s"])
+    _built(rec, iteration=3)  # one iteration: its own row, the graph's durations
+    assert rec.iteration_durations[0] == [4] and np.allclose(rec.iteration_durations[1], single.columns["duration_s"])
+
+
+def test_per_iteration_durations_are_kept_beside_the_graph_and_read_back(tmp_path):
+    from prism_megatron.trace.iterations import durations_path, read_durations, write_durations
+
+    graph = str(tmp_path / "rank0.prism")
+    assert read_durations(graph) is None
+    write_durations(graph, [4, 6], np.array([[1e-3, 2e-3], [1.5e-3, 2e-3]]))
+    iterations, durations = read_durations(graph)
+    assert iterations == [4, 6] and durations.tolist() == [[1e-3, 2e-3], [1.5e-3, 2e-3]]
+    Path(durations_path(graph)).write_bytes(b"not an npz")
+    assert read_durations(graph) is None
 
 
 def test_a_coalesced_work_covers_every_operation_it_ran():

@@ -312,7 +312,14 @@ class TraceConfig:
     interval between marks the median over the steady timed iterations (capture slices and
     emulation sandboxes use it; `median` when MoE routing differs per iteration)."""
 
+    keep_iterations: bool = False
+    """Also keep, beside the graph (`<path>.iterations.npz`), every node's duration in each iteration
+    the graph's durations came from (emulation sandboxes do: their wall clock is checked iteration by
+    iteration against the replay of that iteration's own compute)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.keep_iterations, bool):
+            raise ConfigError(f"trace.keep_iterations={self.keep_iterations!r}; expected true or false")
         if self.selection not in SELECTIONS:
             raise ConfigError(f"trace.selection={self.selection!r}; expected one of {', '.join(SELECTIONS)}")
         if self.granularity not in GRANULARITIES:

@@ -109,6 +109,10 @@ def _print(s: dict) -> None:
                   f"{row['realtime_vs_replay_pct']:+.2f}% against the replay of this run's own compute)"
                   + (f"; {row['realtime_host_bound']['share']:.1%} of its compute ended with its device "
                      "waiting for the host" if row.get("realtime_host_bound") else ""))
+            own = [f"{run} run {row[f'{run}_vs_own_iterations_pct']:+.2f}%" for run in ("realtime", "paced")
+                   if f"{run}_vs_own_iterations_pct" in row]
+            if own:
+                print("    each iteration's wall against the replay of its own compute (median): " + ", ".join(own))
             waits = row.get("realtime_injected_waits")
             if waits and waits.get("error_pct") is not None:
                 print(f"    holds that waited: {waits['count']}, asked {waits['planned_s'] * 1e3:.3f} ms, "

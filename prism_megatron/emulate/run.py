@@ -39,7 +39,7 @@ from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
 from prism_megatron.trace import cuda_hold
-from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE
+from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE, read_durations
 from prism_megatron.util import atomic_write_text, free_port, job_env
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
@@ -137,7 +137,7 @@ class Emulation:
             summary["rank_iteration_time_s"] = [float(t) for t in sim.rank_periods(result)]
         if self.clock == "realtime":
             summary["clock"] = "realtime"
-            self._realtime(text, ranks, out, result, rank_graphs, summary)
+            self._realtime(text, ranks, out, result, merged, rank_graphs, summary)
         if result.timelines:
             from prism_megatron.graph.perfetto import write_chrome_trace
 
@@ -163,8 +163,8 @@ class Emulation:
         compute = {r: f for r, f in p.compute.items() if r not in sandboxes}
         return Simulator(graph, cost, slowdown=compute, link_slowdown=p.link, start_s=p.start_s, **kw)
 
-    def _realtime(self, text: str, ranks: list[int], out: Path, result, rank_graphs: dict,
-                  summary: dict) -> None:
+    def _realtime(self, text: str, ranks: list[int], out: Path, result, first: ExecutionGraph,
+                  rank_graphs: dict, summary: dict) -> None:
         """Run the sandboxes again, each communication held as the replay says (emulate/holds.py:
         closed-loop, so a sandbox that runs early or late meets its ghosts where real peers would);
         report their wall-clock time, and the replay of the job with the compute they recorded under
@@ -180,6 +180,11 @@ class Emulation:
                                  rank_graphs=again).run()
         times = replay.rank_times()
         summary["realtime_replay_iteration_s"] = float(replay.iteration_s)
+        # iteration by iteration: each pooled iteration's wall against the replay of its own compute,
+        # in the realtime run and in the paced first run (a host that stalls now and then puts a stall
+        # in most iterations' walls, where the graph's median per node has none)
+        own = {"realtime": self._iteration_replays(merged, again, out / "realtime"),
+               "paced": self._iteration_replays(first, rank_graphs, out / "sandbox") if summary["paced"] else {}}
         measured_faults = []
         for row in summary["sandbox"]:
             r = row["virtual_rank"]
@@ -195,6 +200,10 @@ class Emulation:
             # the holds' own check: the wall against the replay of this run's own compute
             row["realtime_vs_replay_pct"] = (wall / float(times[r]) - 1) * 100
             row["realtime_injected_waits"] = run.get("injected_waits")
+            for name, rows in own.items():
+                if rows.get(r):
+                    row[f"{name}_own_iterations"] = rows[r]
+                    row[f"{name}_vs_own_iterations_pct"] = float(np.median([x["err_pct"] for x in rows[r]]))
             bound = _host_bound(self._meta.get(r, {}))  # the realtime run's own (its graph's meta)
             if bound:
                 row["realtime_host_bound"] = bound["host_bound"]
@@ -206,6 +215,28 @@ class Emulation:
                 measured_faults.append(f"slow({r}, {factor:.4f})")
         # `prism-megatron faults GRAPH --inject "<this>"` replays the job with what the sandboxes measured
         summary["measured_faults"] = "; ".join(measured_faults) or None
+
+    def _iteration_replays(self, merged: ExecutionGraph, rank_graphs: dict[int, RoleGraph],
+                           run_dir: Path) -> dict[int, list[dict]]:
+        """rank -> per iteration the sandbox pooled its graph from (trace/recorder.py
+        `iteration_durations`): {iteration (1-based), wall_s, replay_s, err_pct}, the replay taking
+        that iteration's own durations for every sandbox. Empty where a sandbox kept none."""
+        kept = {r: read_durations(str(run_dir / f"rank{r}.prism")) for r in rank_graphs}
+        if any(k is None for k in kept.values()):
+            return {}
+        common = sorted(set.intersection(*(set(its) for its, _ in kept.values())))
+        walls = {r: json.loads((run_dir / f"summary{r}.json").read_text())["iteration_times_ms"]
+                 for r in rank_graphs}
+        cost = self.cluster.cost_model(self.calibration)
+        out: dict[int, list[dict]] = {r: [] for r in rank_graphs}
+        for it in common:
+            graphs = {r: g.with_durations(kept[r][1][kept[r][0].index(it)]) for r, g in rank_graphs.items()}
+            times = self._simulator(merged, cost, list(graphs), rank_graphs=graphs).run().rank_times()
+            for r in graphs:
+                wall, replay = walls[r][it - 1] * 1e-3, float(times[r])
+                out[r].append({"iteration": it, "wall_s": wall, "replay_s": replay,
+                               "err_pct": (wall / replay - 1) * 100})
+        return out
 
     def _run_sandbox(self, text: str, ranks: list[int], out: Path,
                      pooled: Optional[dict[int, list[int]]] = None) -> dict[int, tuple]:
@@ -233,7 +264,9 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
     out.mkdir(parents=True, exist_ok=True)
     script = script or script_for(_framework_of(config_yaml))
     config = out / "config.yaml"
-    atomic_write_text(str(config), config_yaml)
+    job_cfg = yaml.safe_load(config_yaml)
+    job_cfg.setdefault("trace", {})["keep_iterations"] = True  # the realtime check, iteration by iteration
+    atomic_write_text(str(config), yaml.safe_dump(job_cfg, sort_keys=False))
     trace = out / "rank{rank}.prism"
     for r in ranks:
         Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)

@@ -119,3 +119,30 @@ def host_bound(it: Iteration, seconds: np.ndarray) -> dict:
             idle_compute += duration
     return {"ops": ops, "idle_ops": len(it.idle), "compute_s": compute, "idle_compute_s": idle_compute,
             "share": idle_compute / compute if compute > 0 else 0.0}
+
+
+def durations_path(graph_path: str) -> str:
+    """Where a sandbox graph's per-iteration node durations are kept (next to the graph)."""
+    return graph_path + ".iterations.npz"
+
+
+def write_durations(graph_path: str, iterations: list[int], duration_s: np.ndarray) -> None:
+    """Keep the recorder's `iteration_durations` beside `graph_path` (atomically)."""
+    import io
+
+    from prism_megatron.util import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    np.savez(buffer, iterations=np.asarray(iterations, dtype=np.int64),
+             duration_s=np.asarray(duration_s, dtype="f8"))
+    atomic_write_bytes(durations_path(graph_path), buffer.getvalue())
+
+
+def read_durations(graph_path: str) -> Optional[tuple[list[int], np.ndarray]]:
+    """The pooled iterations (1-based) and their node durations kept beside `graph_path`; None where
+    there are none (a graph built from one iteration, or by an older version)."""
+    try:
+        with np.load(durations_path(graph_path)) as data:
+            return [int(i) for i in data["iterations"]], np.asarray(data["duration_s"], dtype="f8")
+    except (OSError, KeyError, ValueError):
+        return None

@@ -8,6 +8,7 @@ copies) as they are at the end, and the rest of the peak as activations (and tem
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from prism_megatron.graph.io import save_graph
 from prism_megatron.graph.model import ExecutionGraph, StringTable
 from prism_megatron.runtime.memory import _torch_optimizers
+from prism_megatron.trace.iterations import durations_path, write_durations
 from prism_megatron.util import per_rank_path
 
 
@@ -100,4 +102,8 @@ def write_role_graph(inst: Any) -> str:
             "iteration_origin_s": inst.recorder.origin_s(inst.recorder.built["timed_iteration"] - 1)}
     save_graph(ExecutionGraph(world=session.world, roles={role: graph}, strings=strings.strings,
                               meta=meta), path)
+    if cfg.trace.keep_iterations:  # each iteration the durations came from, as it ran
+        write_durations(path, *inst.recorder.iteration_durations)
+    else:  # none from an earlier run beside this graph
+        Path(durations_path(path)).unlink(missing_ok=True)
     return path

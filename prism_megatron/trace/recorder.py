@@ -75,6 +75,12 @@ class Recorder:
         """Called with True when labelled iterations begin and False when timed ones do."""
         self.built: dict[str, Any] = {}
         """How the last `build` was made: timing, timed_iteration, labelled_iteration (1-based)."""
+        self.iteration_durations: Optional[tuple[list[int], np.ndarray]] = None
+        """After a `build`: the iterations (1-based) its durations came from (the pooled ones, or the
+        timed one alone) and, per iteration, every node's own duration in it (rows in that order,
+        columns the built graph's nodes): each iteration as it ran, where a pooled graph holds the
+        median (a realtime run's wall, iteration by iteration, against the replay of that iteration's
+        own compute; emulate/run.py)."""
         self._holds: Optional[list] = None  # emulate/holds.py's Hold per ordinal (None: not held)
         self._comm_ordinal = 0
         self._after_issue = -1  # the mark that ended the last operation's issue (and injected wait)
@@ -359,9 +365,15 @@ class Recorder:
         timed_seconds = seconds if timed_it is it else None  # its own marks' seconds, when it is one
         pooled = [j for j in pool if j != timed and 0 <= j < n_it and not self.iterations[j].labelled
                   and same_program(it, self.iterations[j], self.iterations[-1])]
+        each = [seconds] + [mapped_seconds(self.clock, it, self.iterations[j]) for j in pooled]
+        t0 = np.fromiter((n.t0 for n in it.nodes), dtype=np.int64, count=len(it.nodes))
+        t1 = np.fromiter((n.t0 if n.t1 is None else n.t1 for n in it.nodes), dtype=np.int64,
+                         count=len(it.nodes))
+        order = np.argsort([timed, *pooled], kind="stable")
+        self.iteration_durations = ([[timed, *pooled][i] + 1 for i in order],
+                                    np.maximum(0.0, np.stack([each[i][t1] - each[i][t0] for i in order])))
         if pooled:
-            steps = [np.diff(seconds)] + [np.diff(mapped_seconds(self.clock, it, self.iterations[j]))
-                                          for j in pooled]
+            steps = [np.diff(s) for s in each]
             seconds = np.concatenate([seconds[:1], seconds[0] + np.cumsum(np.median(steps, axis=0))])
         self.built = {"timing": "two-pass" if timed != labelled else "single-pass",
                       "timed_iteration": timed + 1, "labelled_iteration": labelled + 1,
