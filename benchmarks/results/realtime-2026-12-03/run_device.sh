@@ -1,9 +1,9 @@
 #!/bin/bash
-# One device call (1x H200), session 32: realtime emulation of CONFIGS (default tp2) with the runs kept,
-# so that a realtime run's wall can be split against the replay of its own compute op by op
-# (split_realtime.py, on the VM), while nvidia-smi logs the GPU's clocks, power and temperature (does
-# the compute that moves between runs follow the SM clock?). Run from the repository root with the
-# wheels of .whl/ on the path and OUT set. At most 8 files come back: the kept runs in one tarball.
+# One device call (1x H200), session 32: realtime emulation of CONFIGS (default tp2) with the runs kept
+# (the sandboxes' graphs; from call 3 on with each pooled iteration's node durations beside them),
+# while nvidia-smi logs the GPU's clocks, power and temperature (does the compute that moves between
+# runs follow the SM clock?). Run from the repository root with the wheels of .whl/ on the path and OUT
+# set. At most 8 files come back: the kept runs in one tarball.
 set -o pipefail
 export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
