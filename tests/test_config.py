@@ -108,6 +108,7 @@ def test_shipped_configs_load():
     (["train.iters=0"], ["train.iters"]),
     (["trace.granularity=op"], ["op", "module, aten"]),
     (["trace.iteration=0"], ["trace.iteration"]),
+    (["trace.keep_iterations=sometimes"], ["trace.keep_iterations", "not a valid bool"]),
     (["moe.imbalance=zipf(1.2)"], ["num_experts"]),
     (["model=tiny_moe", "moe.imbalance=pareto(2)"], ["pareto", "zipf(s)"]),
     (["model=tiny_moe", "moe.imbalance=zipf(0)"], ["must be > 0"]),

@@ -79,7 +79,9 @@ def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         first = str(err).strip().splitlines()[0]
-        raise ConfigError(f"invalid config: {first}{_close_match(first)}; see `prism-megatron config "
+        key = getattr(err, "full_key", None)
+        where = f"{key}: " if key and key not in first else ""  # which key a bad value was given to
+        raise ConfigError(f"invalid config: {where}{first}{_close_match(first)}; see `prism-megatron config "
                           "--keys`") from None
 
 
