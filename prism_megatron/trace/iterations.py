@@ -139,8 +139,9 @@ def write_durations(graph_path: str, iterations: list[int], duration_s: np.ndarr
 
 
 def read_durations(graph_path: str) -> Optional[tuple[list[int], np.ndarray]]:
-    """The pooled iterations (1-based) and their node durations kept beside `graph_path`; None where
-    there are none (a graph built from one iteration, or by an older version)."""
+    """The iterations (1-based) a graph's durations came from and each one's node durations, kept
+    beside `graph_path`; None where none were kept (trace.keep_iterations off, an older version) or
+    the file is unreadable."""
     try:
         with np.load(durations_path(graph_path)) as data:
             return [int(i) for i in data["iterations"]], np.asarray(data["duration_s"], dtype="f8")
