@@ -3,6 +3,7 @@
 import gc
 import threading
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -394,3 +395,32 @@ def test_stop_refuses_to_pop_a_mode_entered_after_start():
 def test_memcategory_values():
     assert [c.value for c in MemCategory] == [
         "params", "buffers", "grads", "optimizer_state", "activations", "temporary"]
+
+
+def test_a_gpu_ranks_allocated_figures_leave_out_the_holds_plan(monkeypatch):
+    """On GPU the realtime and paced holds keep their plan in two device buffers from the install on
+    (trace/cuda_hold.py): the emulator's memory, not the rank's (a real rank's NCCL buffers are not the
+    caching allocator's). The peak reported for the rank and the recorder's memory samples leave them
+    out, so the sandbox's peak equals the real rank's byte for byte (2026-11-30, before the plan
+    lived on the device). The allocator is stubbed: CI has no GPU."""
+    from prism_megatron.config.loader import load_config
+    from prism_megatron.hooks.install import Installation
+    from prism_megatron.trace.clock import CudaClock
+    from prism_megatron.trace.output import memory_figures
+
+    class Plan:
+        device_bytes = 57_344  # TP2's plan on the H200: 594 operations, up to 4 paths each
+
+    clock = CudaClock.__new__(CudaClock)  # no device: only the plan's bookkeeping is read
+    clock._holds = None
+    assert clock.own_device_bytes == 0
+    clock._holds = Plan()
+    inst = Installation(cfg=load_config([]), device="cuda")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 22_400_356_864)
+    assert inst.peak_memory_bytes() == 22_400_356_864  # no recorder: nothing of prism's to leave out
+    inst.recorder = SimpleNamespace(clock=clock)
+    assert inst.own_device_bytes() == 57_344
+    assert inst.peak_memory_bytes() == 22_400_299_520  # the real TP2 rank's peak of 2026-11-30
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 24_092_082_176)
+    figures = memory_figures(inst)  # what the rank's graph records
+    assert figures["peak_bytes"] == 22_400_299_520 and figures["peak_reserved_bytes"] == 24_092_082_176

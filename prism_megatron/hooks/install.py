@@ -113,12 +113,21 @@ class Installation:
         return self.runtime.tracker if self.runtime is not None else None
 
     def peak_memory_bytes(self) -> int:
-        """Peak allocated bytes of this rank: exact tracker on CPU, CUDA allocator on GPU."""
+        """Peak allocated bytes of this rank: exact tracker on CPU, CUDA allocator on GPU (less the
+        emulator's own buffers there, `own_device_bytes`)."""
         if self.fake is not None:
             return self.runtime.tracker.allocator.peak_allocated
         if self.runtime is not None:
             return self.runtime.tracker.peak_allocated_bytes
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_allocated()) - self.own_device_bytes()
+
+    def own_device_bytes(self) -> int:
+        """The CUDA allocator's bytes that prism itself holds in this process (the realtime and paced
+        holds' plan, trace/cuda_hold.py), allocated at the install and kept to the end: a real rank
+        has none of them, so the rank's allocated figures leave them out. Reserved bytes keep them
+        (they share the allocator's small segments with the rank's tensors)."""
+        clock = self.recorder.clock if self.recorder is not None else None
+        return int(getattr(clock, "own_device_bytes", 0))
 
     def write_summary(self, summary: dict, path: Optional[str]) -> bool:
         """Complete a training script's per-rank summary with this rank's peak memory (exact tracker
@@ -283,8 +292,9 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         allocator = inst.tracker.allocator
         recorder = Recorder(inst.fake.clock, lambda: allocator.allocated, two_pass=two_pass)
     elif recorder is None and inst.device == "cuda":
-        recorder = Recorder(CudaClock(), _cuda_allocated_bytes(), memory_at_module_boundaries=False,
-                            two_pass=two_pass)
+        clock, allocated = CudaClock(), _cuda_allocated_bytes()
+        recorder = Recorder(clock, lambda: allocated() - clock.own_device_bytes,
+                            memory_at_module_boundaries=False, two_pass=two_pass)
     elif recorder is None:
         tracker = inst.tracker
         recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes, two_pass=two_pass)

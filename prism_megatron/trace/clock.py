@@ -214,6 +214,13 @@ class CudaClock:
 
         self._holds = DeviceHolds(rows)
 
+    @property
+    def own_device_bytes(self) -> int:
+        """The caching allocator's bytes that the holds' plan holds on the device (0 without one): the
+        emulator's, not the rank's; live from the install to the end, so in every allocated figure
+        after it, the peak included."""
+        return self._holds.device_bytes if self._holds is not None else 0
+
     def hold_iteration(self) -> None:
         self._holds.begin()
 

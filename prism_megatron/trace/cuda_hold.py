@@ -138,8 +138,13 @@ class DeviceHolds:
             cells += [self.never, 0] * (self.terms - len(terms))
             table.append(cells)
         device = torch.cuda.current_device()
+        before = torch.cuda.memory_allocated(device)
         self.rows = torch.tensor(table, dtype=torch.int64, device=device)
         self.ends = torch.full((self.begins + n + 1,), NEVER, dtype=torch.int64, device=device)
+        self.device_bytes = torch.cuda.memory_allocated(device) - before
+        """What the plan's two buffers hold of the caching allocator (as it counts them, rounded): the
+        emulator's own memory, which a real rank does not have (its NCCL buffers are not the
+        allocator's), taken off the rank's allocated figures (CudaClock.own_device_bytes)."""
         self.ends[self.acc:self.begins] = 0
         self._stamps = self.ends[self.begins:]  # views kept: the iteration's reset is two launches
         self._debt = self.ends[self.debt:self.debt + 1]

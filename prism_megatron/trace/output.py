@@ -63,7 +63,7 @@ def memory_figures(inst: Any) -> dict[str, Any]:
         snap = inst.tracker.snapshot()
         return {"peak_bytes": snap["peak_allocated_bytes"], "peak_by_category": snap["peak_by_category"],
                 "peak_reserved_bytes": snap["peak_allocated_bytes"], "memory_source": "tracker"}
-    peak = int(torch.cuda.max_memory_allocated())
+    peak = inst.peak_memory_bytes()  # the allocator's, less prism's own buffers
     return {"peak_bytes": peak, "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
             "peak_by_category": cuda_breakdown(inst.models, inst.optimizers, peak),
             "memory_source": "cuda-allocator"}
