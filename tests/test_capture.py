@@ -298,6 +298,11 @@ def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatc
     again = Capture(load_config(overrides), str(out), workers=2, script=script).run()
     assert (again.slices_run, again.slices_reused, again.retries) == (1, 1, 0)
     assert load_graph(again.graph_path).roles.keys() == load_graph(first.graph_path).roles.keys()
+    marker = out / "config.yaml"  # a capture by a version without trace.keep_iterations resumes
+    marker.write_text("".join(line for line in marker.read_text().splitlines(True)
+                              if "keep_iterations" not in line))
+    resumed = Capture(load_config(overrides), str(out), workers=2, script=script).run()
+    assert (resumed.slices_run, resumed.slices_reused) == (0, 2)
     with pytest.raises(ConfigError, match="another config"):
         Capture(load_config([*overrides, "model.hidden_size=32"]), str(out), script=script).run()
     monkeypatch.setenv("PRISM_TEST_ALWAYS", "1")

@@ -400,9 +400,10 @@ def test_memcategory_values():
 def test_a_gpu_ranks_allocated_figures_leave_out_the_holds_plan(monkeypatch):
     """On GPU the realtime and paced holds keep their plan in two device buffers from the install on
     (trace/cuda_hold.py): the emulator's memory, not the rank's (a real rank's NCCL buffers are not the
-    caching allocator's). The peak reported for the rank and the recorder's memory samples leave them
-    out, so the sandbox's peak equals the real rank's byte for byte (2026-11-30, before the plan
-    lived on the device). The allocator is stubbed: CI has no GPU."""
+    caching allocator's). The peak reported for the rank (its summary and its graph) leaves them out,
+    so the sandbox's peak equals the real rank's byte for byte (2026-11-30, before the plan lived on
+    the device). The allocator and the plan are stubbed: CI has no GPU; the plan's own measurement
+    (DeviceHolds.device_bytes) and the recorder's samples run on a GPU only."""
     from prism_megatron.config.loader import load_config
     from prism_megatron.hooks.install import Installation
     from prism_megatron.trace.clock import CudaClock

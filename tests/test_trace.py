@@ -574,7 +574,7 @@ def test_node_median_pools_the_steady_iterations_interval_by_interval():
     cols = pooled.columns
     assert np.allclose(cols["start_s"][1:], (cols["start_s"] + cols["duration_s"])[:-1])
     # each pooled iteration as it ran, for the realtime check iteration by iteration: the hiccup stays
-    # in its own iteration's row, and a single-iteration build keeps none
+    # in its own iteration's row, and a single-iteration build keeps its own row alone
     iterations, durations = rec.iteration_durations
     assert iterations == [4, 6, 8] and durations.shape == (3, len(names))
     assert durations[0][mlp] > 0.01 and np.allclose(durations[1:], clean.columns["duration_s"])
@@ -591,7 +591,11 @@ def test_per_iteration_durations_are_kept_beside_the_graph_and_read_back(tmp_pat
     write_durations(graph, [4, 6], np.array([[1e-3, 2e-3], [1.5e-3, 2e-3]]))
     iterations, durations = read_durations(graph)
     assert iterations == [4, 6] and durations.tolist() == [[1e-3, 2e-3], [1.5e-3, 2e-3]]
-    Path(durations_path(graph)).write_bytes(b"not an npz")
+    whole = Path(durations_path(graph)).read_bytes()
+    for broken in (b"not an npz", b"", whole[:len(whole) // 2]):  # garbage, empty, cut short
+        Path(durations_path(graph)).write_bytes(broken)
+        assert read_durations(graph) is None, broken[:20]
+    write_durations(graph, [4, 6, 8], np.array([[1e-3, 2e-3], [1.5e-3, 2e-3]]))  # rows do not match
     assert read_durations(graph) is None
 
 

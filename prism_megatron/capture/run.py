@@ -161,7 +161,7 @@ class Capture:
     def _prepare_dir(self) -> None:
         (self.out / "slices").mkdir(parents=True, exist_ok=True)
         marker = self.out / "config.yaml"
-        if marker.exists() and marker.read_text() != self.config_text:
+        if marker.exists() and _job_key(marker.read_text()) != self.job_key:
             raise ConfigError(f"{self.out} holds a capture of another config (see {marker}); choose "
                               "another --out directory or delete that one")
         atomic_write_text(str(marker), self.config_text)
@@ -363,12 +363,14 @@ def host_bound_warning(shares: dict[int, float]) -> Optional[str]:
 
 def _job_key(config_yaml: str) -> Optional[dict]:
     """A slice's config without what differs between slices (its rank, its trace path) or does not
-    change the job (which recorded iteration becomes the graph)."""
+    change the job (which recorded iteration becomes the graph, whether each iteration's durations
+    are kept beside it)."""
     try:
         data = yaml.safe_load(config_yaml)
         data["emulation"].pop("sandbox_ranks", None)
         data["trace"].pop("path", None)
         data["trace"].pop("selection", None)
+        data["trace"].pop("keep_iterations", None)
     except (yaml.YAMLError, TypeError, KeyError, AttributeError):
         return None
     return data

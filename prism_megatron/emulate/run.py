@@ -39,11 +39,12 @@ from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
 from prism_megatron.trace import cuda_hold
-from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE, read_durations
+from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE, durations_path, read_durations
 from prism_megatron.util import atomic_write_text, free_port, job_env
 
 RANK_TIMES_UP_TO = 4096  # the summary lists every rank's iteration time up to this many ranks
 MEASURED_FAULT_THRESHOLD = 0.01  # realtime compute off by more than this: a measured fault profile
+OWN_ITERATIONS_UP_TO = 16  # iterations replayed one by one per run for the realtime check (a replay each)
 
 
 class EmulationFailed(RuntimeError):
@@ -222,9 +223,12 @@ class Emulation:
         `iteration_durations`): {iteration (1-based), wall_s, replay_s, err_pct}, the replay taking
         that iteration's own durations for every sandbox. Empty where a sandbox kept none."""
         kept = {r: read_durations(str(run_dir / f"rank{r}.prism")) for r in rank_graphs}
-        if any(k is None for k in kept.values()):
-            return {}
+        if any(k is None or k[1].shape[1] != rank_graphs[r].num_nodes for r, k in kept.items()):
+            return {}  # none kept, or not of this graph
         common = sorted(set.intersection(*(set(its) for its, _ in kept.values())))
+        if len(common) > OWN_ITERATIONS_UP_TO:  # a whole replay each: evenly spaced ones
+            common = [common[round(k * (len(common) - 1) / (OWN_ITERATIONS_UP_TO - 1))]
+                      for k in range(OWN_ITERATIONS_UP_TO)]
         walls = {r: json.loads((run_dir / f"summary{r}.json").read_text())["iteration_times_ms"]
                  for r in rank_graphs}
         cost = self.cluster.cost_model(self.calibration)
@@ -270,6 +274,7 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
     trace = out / "rank{rank}.prism"
     for r in ranks:
         Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
+        Path(durations_path(str(trace).replace("{rank}", str(r)))).unlink(missing_ok=True)
     job = [str(script), "--prism-config", str(config), "--prism-sandbox-ranks", *map(str, ranks),
            "--prism-trace-path", str(trace), "--prism-trace-selection", "node-median", "--device", device,
            "--prism-summary-json", str(out / "summary{rank}.json")]

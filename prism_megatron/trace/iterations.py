@@ -142,8 +142,14 @@ def read_durations(graph_path: str) -> Optional[tuple[list[int], np.ndarray]]:
     """The iterations (1-based) a graph's durations came from and each one's node durations, kept
     beside `graph_path`; None where none were kept (trace.keep_iterations off, an older version) or
     the file is unreadable."""
+    import zipfile
+
     try:
         with np.load(durations_path(graph_path)) as data:
-            return [int(i) for i in data["iterations"]], np.asarray(data["duration_s"], dtype="f8")
-    except (OSError, KeyError, ValueError):
+            iterations = [int(i) for i in data["iterations"]]
+            durations = np.asarray(data["duration_s"], dtype="f8")
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile):
         return None
+    if durations.ndim != 2 or len(durations) != len(iterations):
+        return None
+    return iterations, durations
