@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from prism_megatron.comm import native
 from prism_megatron.comm.ghost import GhostPolicy
 from prism_megatron.comm.session import PhysicalWorld, VirtualSession
-from prism_megatron.comm.ops import copy_broadcast
-from prism_megatron.comm.slots import mirror_own_piece
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch renames what megatron calls
 
@@ -98,34 +97,35 @@ def test_group_name_is_the_registered_name(session):
     assert group.group_name == dist.distributed_c10d._world.pg_names[group]
 
 
+def _native_session(policy: str = "mirror"):
+    return native.load().Session(WORLD_SIZE, list(SANDBOX), 0, native.POLICY_CODES[policy], battery.SEED)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32])
 @pytest.mark.parametrize("n", [2, 8, 24, 257, 8192])
 def test_a_mirror_sum_with_one_real_member_is_n_times_the_local_tensor_bit_for_bit(dtype, n):
     """The fold multiplies by a cached 0-dim tensor where the dtype holds n exactly (bf16 does not
-    hold 257): the same bits as `mul_(n)`, each call, with any dtype."""
-    policy = GhostPolicy()
+    hold 257, where it multiplies by the number): the same bits as `mul_(n)`, each call, any dtype."""
+    session = _native_session()
     base = (torch.randn(4096) * 100).to(dtype)
     for _ in range(2):  # the second call takes the cached factor
         out = base.clone()
-        policy.finish_reduction(out, dist.ReduceOp.SUM, n=n, r=1, gen_factory=None)
+        native.load().finish_reduction(session, out, 0, n, 1, 0)
         assert torch.equal(out, base.clone().mul_(n))
-    # the cached factor is taken wherever the dtype holds n (all but bf16's 257), on the CPU
-    factor = policy._factors[(n, dtype)]
-    assert (factor is None) == (dtype is torch.bfloat16 and n == 257)
-    assert factor is None or (factor.device.type == "cpu" and factor.dim() == 0)
 
 
 @pytest.mark.parametrize("have,rows", [(3, 7), (3, 9), (5, 2), (4, 4), (1, 6)])
 def test_a_mirror_slot_of_another_length_repeats_the_source_rows_in_order(have, rows):
     """An all-to-all ghost slot longer or shorter than the mirrored member's piece: its rows are the
     source's rows repeated from the first, truncated (at most two copies, however many repeats)."""
+    session, fill = _native_session(), native.load().fill
     source = torch.arange(have * 2, dtype=torch.float32).reshape(have, 2)
     dst = torch.full((rows, 2), -1.0)
-    GhostPolicy().fill(dst, source, None)
+    fill(session, dst, source, 0)
     want = torch.stack([source[i % have] for i in range(rows)])
     assert torch.equal(dst, want)
     flat = torch.full((rows * 2 + 1,), -1.0)  # other trailing dims: tiled flat
-    GhostPolicy().fill(flat, source, None)
+    fill(session, flat, source, 0)
     assert torch.equal(flat, source.reshape(-1).repeat(rows + 1)[:rows * 2 + 1])
 
 
@@ -133,16 +133,18 @@ def test_a_mirror_slot_of_another_length_repeats_the_source_rows_in_order(have, 
 @pytest.mark.parametrize("have", [2, 0])
 def test_one_real_members_all_to_all_is_its_own_piece_tiled_into_every_slot_at_once(rows, have):
     """The only real member under mirror: the whole output is made in one copy or one gather, and each
-    slot holds what the slot-by-slot fill gives it (`GhostPolicy.fill`: the piece's rows repeated or
-    cut; zeros from an empty piece). A device tensor with unequal slots is left to the slot-by-slot
-    fill (its index would come from the device allocator)."""
+    slot holds what the slot-by-slot fill gives it (the piece's rows repeated or cut; zeros from an
+    empty piece). A device tensor with unequal slots is left to the slot-by-slot fill (its index
+    would come from the device allocator)."""
+    mirror_own_piece, fill = native.load().mirror_own_piece, native.load().fill
+    session = _native_session()
     local = torch.arange(have * 3, dtype=torch.float32).reshape(have, 3) + 1
     rows = [have, *rows[1:]]  # our own slot (the first here) holds what we send ourselves
     out = torch.full((sum(rows), 3), -1.0)
     assert mirror_own_piece(out, local, rows)
     for slot, r in zip(out.split(rows), rows):
         want = torch.full((r, 3), -1.0)
-        GhostPolicy().fill(want, local, None)
+        fill(session, want, local, 0)
         assert torch.equal(slot, want)
     meta = torch.empty((sum(rows), 3), device="meta")
     uneven = rows.count(have) != len(rows) and have > 0
@@ -157,44 +159,45 @@ def test_a_broadcast_copy_viewed_as_wider_elements_writes_the_same_bytes(dtype, 
     """The ghosts' slots as copies of ours, through the widened view the GPU takes (forced here on
     CPU): byte for byte the plain broadcast copy, whatever the row's length, dtype or alignment
     (rows and slots that do not split into wider elements fall back to the plain copy)."""
+    copy_broadcast = native.load().copy_broadcast
     numel = torch.Size(shape).numel()
     store = (torch.randn(numel + offset) * 50).to(dtype)
     row = store[offset:].view(shape)  # an offset view: its address may not align to 16 bytes
-    for widen in (True, False):
+    for widen in (1, 0):
         dst = torch.zeros(5 * numel + offset, dtype=dtype)[offset:].view(5, numel)
-        copy_broadcast(dst, row, widen=widen)
+        copy_broadcast(dst, row, widen)
         assert torch.equal(dst, row.reshape(1, -1).expand(5, -1))
     wide = torch.zeros(4, numel, dtype=torch.float64)
-    copy_broadcast(wide, row, widen=True)  # another dtype: converted, as a plain copy converts
+    copy_broadcast(wide, row, 1)  # another dtype: converted, as a plain copy converts
     assert torch.equal(wide, row.reshape(1, -1).expand(4, -1).to(torch.float64))
 
 
-def test_the_log_counts_every_event_across_folds_and_threads():
-    """The summary's comm rows count every operation of a long run: events are folded into the
-    counters in batches (here every 5), on read, and from several threads at once (an autograd
-    thread's collectives), with none lost or counted twice."""
+def test_the_log_counts_every_operation_from_several_threads(session):
+    """The summary's comm rows count every operation of a run, from several threads at once (an
+    autograd thread's collectives), with none lost or counted twice, and every listener hears each."""
     import threading
 
-    from prism_megatron.comm.events import CommEvent, CommLog
-
-    log = CommLog()
-    log.FOLD_EVERY = 5
+    group = dist.new_group([2, 5, 9, 11])
     seen = []
-    log.listeners.append(seen.append)
+    session.log.listeners.append(seen.append)
 
-    def record(op: str, count: int) -> None:
+    def run(op: str, count: int) -> None:
         for i in range(count):
-            log.record(CommEvent(op, "tp", "g", 4 + i % 2, "float32", i, (0, 1), 1))
+            t = torch.ones(1 + i % 2)
+            if op == "all_reduce":
+                dist.all_reduce(t, group=group)
+            else:
+                dist.all_gather_into_tensor(torch.empty(4 * t.numel()), t, group=group)
 
-    threads = [threading.Thread(target=record, args=(op, 1003)) for op in ("all_reduce", "all_gather")]
+    threads = [threading.Thread(target=run, args=(op, 503)) for op in ("all_reduce", "all_gather")]
     for t in threads:
         t.start()
-    record("send", 7)
+    run("all_reduce", 7)
     for t in threads:
         t.join()
-    assert len(seen) == 2013  # every listener still hears every event at once
-    assert log.total_calls == 2013
-    assert log.rows() == [{"op": "all_gather", "dim": "tp", "calls": 1003, "bytes": 1003 * 4 + 501},
-                          {"op": "all_reduce", "dim": "tp", "calls": 1003, "bytes": 1003 * 4 + 501},
-                          {"op": "send", "dim": "tp", "calls": 7, "bytes": 7 * 4 + 3}]
-    assert log.rows() == log.rows()  # a read folds nothing twice
+    assert len(seen) == 1013
+    assert session.log.total_calls == 1013
+    assert session.log.rows() == [
+        {"op": "all_gather", "dim": "other", "calls": 503, "bytes": 4 * (252 * 4 + 251 * 8)},
+        {"op": "all_reduce", "dim": "other", "calls": 510, "bytes": 252 * 4 + 251 * 8 + 4 * 4 + 3 * 8}]
+    assert session.log.rows() == session.log.rows()

@@ -3,7 +3,7 @@ and the collective cost model (`comm.cost`, pure: importing it does not load tor
 
 import importlib
 
-_LAZY = {"BACKEND_NAME": "backend", "PrismGroup": "backend", "register_prism_backend": "backend",
+_LAZY = {"BACKEND_NAME": "backend", "register_prism_backend": "backend",
          "CommEvent": "events", "CommLog": "events", "GhostPolicy": "ghost",
          "PhysicalWorld": "session", "VirtualSession": "session"}
 

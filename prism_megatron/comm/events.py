@@ -1,8 +1,16 @@
 """Every operation the prism backend executes, as an event; and the per-(op, dim) counters.
 
-`CommEvent` is what later stages (the recorder, the ghost oracle) subscribe to through
-`CommLog.listeners` (called when an operation begins) and `CommLog.issue_listeners` (called with
-the `Work` the backend returns for it, so that a later `wait()` on that work can be attributed).
+The backend (comm/native.py) counts every operation natively; `CommLog.rows()` reads those counters.
+Listeners hear each operation as it happens, from the native path into Python (so a listener costs
+Python per operation: tests and recorders on a Python clock use them; a recorder on a device or host
+clock reads the native trace in batches instead, trace/recorder.py `attach_native`):
+
+- `listeners`: called with a `CommEvent` when an operation begins;
+- `issue_listeners`: called with the operation's work id when the backend returns its Work (for a
+  coalesced call: once, for all the operations it ran);
+- `wait_listeners`: called with (work id, 0) when that work's first `wait()` begins and (work id, 1)
+  when it ends.
+
 Bytes follow nccl-tests' "size" convention: the local buffer of the operation
 (all_reduce/broadcast/reduce: the tensor; all_gather/gather: the full output; reduce_scatter/scatter:
 the full input; all_to_all: the local input; send/recv: the tensor).
@@ -10,17 +18,11 @@ the full input; all_to_all: the local input; send/recv: the tensor).
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 
 class CommEvent(NamedTuple):
-    """One operation on one sandbox rank, in issue order.
-
-    A named tuple, not a dataclass: one is made per operation between a rank's kernels, where a
-    frozen dataclass's per-field `object.__setattr__` costs several microseconds with cold caches."""
+    """One operation on one sandbox rank, in issue order."""
 
     op: str
     """Operation name: all_reduce, all_gather, reduce_scatter, broadcast, reduce, gather, scatter,
@@ -45,71 +47,134 @@ class CommEvent(NamedTuple):
     """Another sandbox takes part: the p2p peer is one, or the group has more than one."""
 
 
-@dataclass
+class GroupInfo(NamedTuple):
+    """What the log says of one group of the session (its index is the native backend's)."""
+
+    dim: str
+    group_id: str
+    members: tuple[int, ...]
+    ghosts: int
+
+
+class _Watched(list):
+    """A list of callables that tells its owner when it becomes empty or not (the native path asks
+    Python only while someone listens)."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def _after(self, result: Any) -> Any:
+        self._changed()
+        return result
+
+    def append(self, item: Any) -> None:
+        self._after(super().append(item))
+
+    def extend(self, items: Any) -> None:
+        self._after(super().extend(items))
+
+    def insert(self, index: Any, item: Any) -> None:
+        self._after(super().insert(index, item))
+
+    def remove(self, item: Any) -> None:
+        self._after(super().remove(item))
+
+    def pop(self, *args: Any) -> Any:
+        return self._after(super().pop(*args))
+
+    def clear(self) -> None:
+        self._after(super().clear())
+
+    def __delitem__(self, key: Any) -> None:
+        self._after(super().__delitem__(key))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._after(super().__setitem__(key, value))
+
+
 class CommLog:
-    """Counts calls and bytes per (op, dim) and forwards each event to `listeners`."""
+    """The session's operations: counters per (op, dim) and the listeners (module docstring)."""
 
-    listeners: list[Callable[[CommEvent], None]] = field(default_factory=list)
-    issue_listeners: list[Callable[[object], None]] = field(default_factory=list)
-    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    """Calls per (op, dim), as of the last fold (`rows()` and `total_calls` fold first)."""
-    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    host_s: float = 0.0
-    """Host time spent inside the backend's operations (ghost folding, logging, and any real
-    exchange between sandboxes), for the emulator's overhead figure."""
-    host_cpu_s: float = 0.0
-    """The same operations' CPU time on their threads (what fake execution subtracts from the
-    program's host work: unlike wall time, it does not grow while another process has the CPU).
-    Counted only where `cpu_timed` (two clock reads of 0.5 us each per operation otherwise)."""
-    cpu_timed: bool = False
-    """Count `host_cpu_s` (fake execution sets it)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    running: threading.local = field(default_factory=threading.local, repr=False)
-    """Per thread, `depth`: operations of this log now running on it (a coalesced one runs single
-    ones inside; an autograd thread's collective is its own)."""
+    def __init__(self) -> None:
+        self.listeners = _Watched(self._rewire)
+        self.issue_listeners = _Watched(self._rewire)
+        self.wait_listeners = _Watched(self._rewire)
+        self._native: Any = None
+        self._groups: list[GroupInfo] = []
+        self._ops: tuple[str, ...] = ()
+        self._dtypes: dict[int, str] = {}
+        self._cpu_timed = False
 
-    _unfolded: list[CommEvent] = field(default_factory=list, repr=False)
-    """Events not yet counted into `calls` and `bytes`: an append per operation instead of a lock
-    and two counter updates (which showed in a py-spy profile of the VM's tiny rank, its caches cold
-    between a rank's kernels); folded on every read and every `FOLD_EVERY` events."""
+    def bind(self, native: Any, groups: list[GroupInfo], ops: tuple[str, ...], dtypes: dict[int, str]) -> None:
+        """Count through `native` (the session's native half) with `groups` its group table."""
+        self._native, self._groups, self._ops, self._dtypes = native, groups, ops, dtypes
+        native.cpu_timed = self._cpu_timed
+        self._rewire()
 
-    FOLD_EVERY = 4096
+    def _rewire(self) -> None:
+        if self._native is None:
+            return
+        if self.listeners or self.issue_listeners or self.wait_listeners:
+            self._native.set_listeners(self._emit, self._issued, self._waited)
+        else:
+            self._native.set_listeners(None, None, None)
 
-    def record(self, event: CommEvent) -> None:
-        unfolded = self._unfolded
-        unfolded.append(event)
-        if len(unfolded) >= self.FOLD_EVERY:
-            self._fold()
-        for listener in self.listeners:
+    def _emit(self, group: int, op: int, nbytes: int, dtype: int, seq: int, peer: int, reduce: int,
+              peer_delta: Optional[int], real_peer: bool) -> None:
+        from prism_megatron.comm.native import REDUCE_NAMES
+
+        info = self._groups[group]
+        event = CommEvent(self._ops[op], info.dim, info.group_id, nbytes, self._dtypes.get(dtype, str(dtype)), seq,
+                          info.members, info.ghosts, None if peer < 0 else peer,
+                          None if reduce < 0 else REDUCE_NAMES[reduce], peer_delta, real_peer)
+        for listener in tuple(self.listeners):
             listener(event)
 
-    def _fold(self) -> None:
-        """Count the unfolded events. An event appended by another thread meanwhile lies past the
-        length read here and stays for the next fold (the slice's deletion is one step under the
-        GIL)."""
-        with self._lock:
-            unfolded = self._unfolded
-            n = len(unfolded)
-            calls, nbytes = self.calls, self.bytes
-            for event in unfolded[:n]:
-                key = (event.op, event.dim)
-                calls[key] += 1
-                nbytes[key] += event.nbytes
-            del unfolded[:n]
+    def _issued(self, work_id: int) -> None:
+        for listener in tuple(self.issue_listeners):
+            listener(work_id)
 
-    def issued(self, work: object) -> None:
-        """The operations begun since the last announcement returned `work` (one operation, or the
-        operations of a coalesced call; a completed Work if synchronous)."""
-        for listener in self.issue_listeners:
-            listener(work)
+    def _waited(self, work_id: int, phase: int) -> None:
+        for listener in tuple(self.wait_listeners):
+            listener(work_id, phase)
+
+    @property
+    def cpu_timed(self) -> bool:
+        """Count `host_cpu_s` (fake execution sets it: two clock reads per operation otherwise)."""
+        return self._cpu_timed
+
+    @cpu_timed.setter
+    def cpu_timed(self, value: bool) -> None:
+        self._cpu_timed = bool(value)
+        if self._native is not None:
+            self._native.cpu_timed = self._cpu_timed
+
+    @property
+    def host_s(self) -> float:
+        """Host time spent inside the backend's operations (ghost folding, recording, any real exchange
+        between sandboxes; not the holds), for the emulator's overhead figure."""
+        return self._native.host_s if self._native is not None else 0.0
+
+    @property
+    def host_cpu_s(self) -> float:
+        """The same operations' CPU time on their threads (what fake execution subtracts from the
+        program's host work: unlike wall time, it does not grow while another process has the CPU)."""
+        return self._native.host_cpu_s if self._native is not None else 0.0
 
     @property
     def total_calls(self) -> int:
-        self._fold()
-        return sum(self.calls.values())
+        return sum(row["calls"] for row in self.rows())
 
     def rows(self) -> list[dict]:
         """One row per (op, dim): {"op", "dim", "calls", "bytes"}, sorted."""
-        self._fold()
-        return [{"op": op, "dim": dim, "calls": self.calls[(op, dim)], "bytes": self.bytes[(op, dim)]}
-                for op, dim in sorted(self.calls)]
+        if self._native is None:
+            return []
+        calls: dict[tuple[str, str], int] = {}
+        nbytes: dict[tuple[str, str], int] = {}
+        for group, op, count, size in self._native.counts():
+            key = (self._ops[op], self._groups[group].dim)
+            calls[key] = calls.get(key, 0) + count
+            nbytes[key] = nbytes.get(key, 0) + size
+        return [{"op": op, "dim": dim, "calls": calls[(op, dim)], "bytes": nbytes[(op, dim)]}
+                for op, dim in sorted(calls)]

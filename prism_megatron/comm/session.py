@@ -2,7 +2,8 @@
 
 A `VirtualSession` is created by the hooks when `torch.distributed.init_process_group` runs, and handed
 to the `prism` backend as the default group's options; every subgroup finds it through the default
-group. Nothing here is module-global, so tests can build sessions side by side.
+group. Nothing here is module-global, so tests can build sessions side by side. Its per-operation half
+is native (`self.native`, comm/native.py): the ghost policy, the counters, the trace a recorder reads.
 
 Physical processes (torchrun, P >= 1) each play one sandbox virtual rank. Members of a virtual group
 that are physical exchange real data through an *inner* backend (gloo on CPU, NCCL on GPU) built over
@@ -11,15 +12,17 @@ just those processes, with the group's own store prefix, so no process waits for
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from prism_megatron.comm.events import CommLog
+from prism_megatron.comm import native as native_path
+from prism_megatron.comm.events import CommLog, GroupInfo, _Watched
 from prism_megatron.comm.ghost import GhostPolicy
 
 
@@ -83,23 +86,22 @@ class VirtualSession:
     log: CommLog = field(default_factory=CommLog)
     p2p_backends: dict[str, object] = field(default_factory=dict)
     """Real backends over all physical processes by device type, only for real-to-real send/recv."""
-    ghost_data: list[Callable[[str, tuple[int, ...], list[int], torch.Tensor], Optional[np.ndarray]]] = field(
-        default_factory=list)
-    """Providers of what the ghosts contribute, asked once per operation before the ghost policy:
-    called with (op, group members, the ghosts' virtual ranks, one ghost slot as the template); one
-    that knows returns one row of values per ghost (an array of len(ghosts) x the slot's elements),
-    else None. The MoE routing model gives the ghosts' token counts this way (moe/routing.py)."""
-    ghost_reductions: list[Callable[[str, tuple[int, ...], list[int], torch.Tensor, object],
-                                    Optional[torch.Tensor]]] = field(default_factory=list)
-    """Providers of the ghosts' part of a reduction, asked before the ghost policy: called with (op,
-    group members, the ghosts' virtual ranks, this rank's tensor, the ReduceOp); one that knows returns
-    the ghosts' contributions reduced by that op (a tensor like the input), else None. DeepSpeed-MoE's
-    dropless capacity (the maximum expert load over the expert-parallel group) comes this way from the
-    routing model (moe/deepspeed_routing.py)."""
-    fresh_gathers: int = 0
-    """> 0 while the framework gathers in place into a freshly allocated buffer (ZeRO-3's parameter
-    gathers, hooks/deepspeed.py): ghost slots then have no last known value to keep, and the mirror
-    policy gives them copies of this rank's shard."""
+    ghost_data: list = field(init=False)
+    """Providers of what the ghosts contribute to integer data (counts, sizes), asked once per
+    operation before the ghost policy: called with (op, group members, the ghosts' virtual ranks, one
+    ghost slot as the template); one that knows returns one row of values per ghost (an array of
+    len(ghosts) x the slot's elements), else None. The MoE routing model gives the ghosts' token counts
+    this way (moe/routing.py)."""
+    ghost_reductions: list = field(init=False)
+    """Providers of the ghosts' part of a reduction of integer data, asked before the ghost policy:
+    called with (op, group members, the ghosts' virtual ranks, this rank's tensor, the ReduceOp); one
+    that knows returns the ghosts' contributions reduced by that op (a tensor like the input), else
+    None. DeepSpeed-MoE's dropless capacity (the maximum expert load over the expert-parallel group)
+    comes this way from the routing model (moe/deepspeed_routing.py)."""
+    native: Any = field(init=False, repr=False)
+    """The native half (comm/native.py `Session`)."""
+    groups: list[GroupInfo] = field(init=False, repr=False)
+    """Every group of this process, by the native backend's index."""
 
     def __post_init__(self) -> None:
         bad = [v for v in self.physical.sandbox_ranks if not 0 <= v < self.world_size]
@@ -109,10 +111,75 @@ class VirtualSession:
         if self.world is not None and getattr(self.world, "world_size", self.world_size) != self.world_size:
             raise ValueError(f"virtual world describes {self.world.world_size} ranks but the session "
                              f"has {self.world_size}")
+        module = native_path.load()
+        self.native = module.Session(self.world_size, list(self.physical.sandbox_ranks), self.physical.rank,
+                                     native_path.POLICY_CODES[self.policy.name], self.policy.seed)
+        self.groups = []
+        self.ghost_data = _Watched(self._rewire_providers)
+        self.ghost_reductions = _Watched(self._rewire_providers)
+        self.log.bind(self.native, self.groups, tuple(module.OP_NAMES), native_path.dtype_names())
 
     @property
     def virtual_rank(self) -> int:
         return self.physical.virtual_rank
+
+    @property
+    def fresh_gathers(self) -> int:
+        """> 0 while the framework gathers in place into a freshly allocated buffer (ZeRO-3's parameter
+        gathers, hooks/deepspeed.py): ghost slots then have no last known value to keep, and the mirror
+        policy gives them copies of this rank's shard."""
+        return self.native.fresh_gathers
+
+    @fresh_gathers.setter
+    def fresh_gathers(self, value: int) -> None:
+        self.native.fresh_gathers = int(value)
+
+    def make_backend(self, members: Sequence[int], group_rank: int, group_id: str, store: Optional[dist.Store]):
+        """The native backend of one group (made when torch creates the group)."""
+        members = tuple(int(m) for m in members)
+        index = len(self.groups)
+        ghosts = sum(self.physical.physical_of(v) is None for v in members)
+        self.groups.append(GroupInfo(self.dim_of(members), group_id, members, ghosts))
+        phys = self.physical
+
+        def make_inner(device_type: str):
+            """The real backend over this group's physical members (NCCL for CUDA, gloo for CPU: object
+            collectives use CPU tensors even on GPU)."""
+            real = [phys.physical_of(v) for v in members if phys.physical_of(v) is not None]
+            prefixed = dist.PrefixStore(f"prism/inner/{device_type}/", store)
+            return phys.make_backend(prefixed, real, device_type)
+
+        backend = native_path.load().Backend(self.native, list(members), group_rank, index, group_id,
+                                             phys.device_type, make_inner)
+        backend.session_object = weakref.ref(self)
+        backend.connect()  # rendezvous now, while every real member is creating this group
+        return backend
+
+    def _rewire_providers(self) -> None:
+        self.native.set_providers(self._ghost_rows if self.ghost_data else None,
+                                  self._ghost_reduction if self.ghost_reductions else None)
+
+    def _ghost_rows(self, group: int, op: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+        info = self.groups[group]
+        ghosts = [v for v in info.members if self.physical.physical_of(v) is None]
+        name = native_path.load().OP_NAMES[op]
+        for provide in tuple(self.ghost_data):
+            values = provide(name, info.members, ghosts, like)
+            if values is not None:
+                return torch.from_numpy(np.ascontiguousarray(values)).reshape(len(ghosts), -1)
+        return None
+
+    def _ghost_reduction(self, group: int, op: int, tensor: torch.Tensor, reduce: int) -> Optional[torch.Tensor]:
+        info = self.groups[group]
+        ghosts = [v for v in info.members if self.physical.physical_of(v) is None]
+        name = native_path.load().OP_NAMES[op]
+        reduce_op = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN,
+                     dist.ReduceOp.PRODUCT)[reduce]
+        for provide in tuple(self.ghost_reductions):
+            part = provide(name, info.members, ghosts, tensor, reduce_op)
+            if part is not None:
+                return part
+        return None
 
     def connect_p2p(self) -> None:
         """Build the real p2p backends among all physical processes (collective over them): gloo,
@@ -123,6 +190,7 @@ class VirtualSession:
         for device_type in sorted({"cpu", self.physical.device_type}):
             store = dist.PrefixStore(f"prism/p2p/{device_type}/", self.physical.store)
             self.p2p_backends[device_type] = self.physical.make_backend(store, everyone, device_type)
+            self.native.set_p2p(device_type, self.p2p_backends[device_type])
 
     def dim_of(self, members: Sequence[int]) -> str:
         """Megatron dim of a member list (tp, dp, ...), `world` for everyone, else `other`."""

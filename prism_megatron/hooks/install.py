@@ -10,9 +10,9 @@ It wraps, and `Installation.uninstall()` restores:
 - megatron-core's `DistributedDataParallel.__init__` and `get_megatron_optimizer`, so that the memory
   tracker knows parameters, gradients and optimizer state without a line in the training script,
   and the recorder labels the model's module-level ops;
-- with `trace.path` set, the recorder (trace/): framework labels, `Work.wait`, the backend's log; the
-  role graph is written at `dist.destroy_process_group()` or `uninstall()`, whichever comes first. A
-  plain run with a trace path is recorded as a virtual world of its own size (no ghosts: the same
+- with `trace.path` set, the recorder (trace/): framework labels, the backend's trace of every
+  operation and of its waits; the role graph is written at `dist.destroy_process_group()` or
+  `uninstall()`, whichever comes first. A plain run with a trace path is recorded as a virtual world of its own size (no ghosts: the same
   data and memory, as tests/test_training.py checks);
 - megatron-core's local specs without Transformer Engine (runtime/local_specs.py), on any device;
 - on CPU, the CPU runtime (runtime/cpu.py);
@@ -57,7 +57,6 @@ from prism_megatron.trace.attach import (
     optimizer_step_hooks,
     patch_cuda_sync,
     patch_framework,
-    patch_wait,
 )
 from prism_megatron.trace.clock import CpuClock, CudaClock
 from prism_megatron.trace.recorder import Recorder
@@ -123,7 +122,7 @@ class Installation:
 
     def own_device_bytes(self) -> int:
         """The CUDA allocator's bytes that prism itself holds in this process (the realtime and paced
-        holds' plan, trace/cuda_hold.py), allocated at the install and kept to the end: a real rank
+        holds' plan, csrc/holds_cuda.h), allocated at the install and kept to the end: a real rank
         has none of them, so the rank's allocated figures leave them out. Reserved bytes keep them
         (they share the allocator's small segments with the rank's tensors)."""
         clock = self.recorder.clock if self.recorder is not None else None
@@ -235,6 +234,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     def on_session(session: VirtualSession) -> None:
         inst.session = session
         session.log.cpu_timed = inst.execution == "fake"  # its clock takes the backend's CPU time off
+        if inst.runtime is not None:  # gloo's settle after a wait that blocked (runtime/cpu.py)
+            session.native.settle_after_wait_s = inst.runtime.settle_after_wait_s
         if inst.routing is not None:
             session.ghost_data.append(inst.routing.provide)
         if inst.recorder is not None:
@@ -299,7 +300,6 @@ def _install_recorder(inst: Installation, recorder: Optional[Recorder]) -> None:
         tracker = inst.tracker
         recorder = Recorder(CpuClock(), lambda: tracker.allocated_bytes, two_pass=two_pass)
     inst.recorder = recorder
-    patch_wait(inst._patches, recorder, inst.runtime)
     if inst.device == "cuda" and hasattr(recorder.clock, "name_of"):
         patch_cuda_sync(inst._patches, recorder, recorder.clock)
     inst._handles += optimizer_step_hooks(recorder)

@@ -21,7 +21,6 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from prism_megatron.comm.ops import copy_from_host
 from prism_megatron.moe.imbalance import Imbalance, routing_map
 
 
@@ -58,6 +57,16 @@ class RoutingState:
             if capacity < t:
                 rows = np.minimum(rows, capacity)
         return rows
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a host tensor `src`, without making the host wait for the device: a copy
+    from pageable memory into a GPU tensor first waits for the stream to drain (a synchronize a real
+    rank's router does not make), so on GPU `src` is pinned and copied asynchronously."""
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 class ModelledTopk:

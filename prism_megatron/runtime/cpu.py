@@ -41,7 +41,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from prism_megatron.comm.ops import done
 from prism_megatron.runtime.memory import StorageTracker
 from prism_megatron.runtime.patching import PatchSet
 
@@ -142,19 +141,14 @@ class CpuRuntime:
     tracker: StorageTracker = field(default_factory=StorageTracker)
     settle_after_wait_s: float = 0.0005
     """After a communication `wait()`, yield this long so gloo's worker drops the finished work's
-    buffers now (see `_settling_wait`); 0 turns it off."""
-    inner_wait: Optional[Callable] = field(default=None, repr=False)
-    """`Work.wait` as it was before activation (what a recorder wraps, inside the settle)."""
+    buffers now (see `_settling_wait`); 0 turns it off. The prism backend's works settle the same
+    way in its native wait (comm/native.py)."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _mode: Optional[_CudaToCpuMode] = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
         return self._mode is not None
-
-    def settling(self, wait: Callable) -> Callable:
-        """`wait` followed by this runtime's settle when it blocked (see `_settling_wait`)."""
-        return _settling_wait(wait, self)
 
     def activate(self) -> "CpuRuntime":
         if self.active:
@@ -196,8 +190,7 @@ class CpuRuntime:
         self._patch(cuda.nvtx, "range_pop", lambda: None)
         self._patch(torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather))
         work = torch._C._distributed_c10d.Work
-        self.inner_wait = work.wait
-        self._patch(work, "wait", self.settling(work.wait))
+        self._patch(work, "wait", _settling_wait(work.wait, self))
         self._patch_megatron()
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
@@ -279,9 +272,16 @@ def _uneven_all_gather(original: Callable) -> Callable:
         original(gathered, padded_input, group=group)
         for out, got in zip(tensor_list, gathered):
             out.copy_(got[: out.shape[0]])
-        return done() if async_op else None
+        return _completed_work() if async_op else None
 
     return all_gather
+
+
+def _completed_work():
+    """A Work that is already over (the padded all-gather waited for its parts)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future)
 
 
 def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):

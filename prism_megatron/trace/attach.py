@@ -9,8 +9,9 @@ What is observed, and through which hook:
 - the loss (`LanguageModule.compute_language_model_loss`), megatron's optimizer `step` with its
   gradient norm and clipping, the inner torch optimizer's step (global optimizer hooks), DDP's
   grad sync and `finalize_model_grads`;
-- communication: the prism backend's log (every collective and p2p, with the Work it returned) and
-  `Work.wait` (which operation a stream waits for);
+- communication: the prism backend records every collective and p2p, the Work it returned and that
+  Work's wait (which operation a stream waits for) in the native trace of the recorder's clock
+  (comm/native.py), or, on a Python clock, through its log's listeners;
 - cross-stream waits on GPU: `torch.cuda.Event.record`/`wait` and `Stream.wait_event`/`wait_stream`
   (a side stream's work, e.g. overlapped parameter all-gather, joins the compute stream);
 - pipeline spans and iterations: hooks/schedules.py calls `span_begin`/`span_end` and
@@ -28,7 +29,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prism_megatron.comm.ops import DoneWork
 from prism_megatron.runtime.patching import PatchSet
 from prism_megatron.trace.recorder import Recorder
 
@@ -50,34 +50,19 @@ def labelled(recorder: Recorder, label: str, fn: Callable) -> Callable:
 
 
 def connect_comm(recorder: Recorder, session: Any) -> None:
-    """Record every operation of the session's prism backend."""
+    """Record every operation of the session's prism backend: natively where the recorder's clock has
+    a native trace (CPU and CUDA clocks), else live through the log's listeners (a Python clock, such
+    as fake execution's modelled one)."""
+    trace = getattr(recorder.clock, "trace", None)
+    if trace is not None:
+        from prism_megatron.comm.native import dtype_names
+
+        session.native.attach_trace(trace)
+        recorder.attach_native(trace, lambda index: session.groups[index][:2], dtype_names())
+        return
     session.log.listeners.append(recorder.comm_event)
     session.log.issue_listeners.append(recorder.comm_issued)
-
-
-def patch_wait(patches: PatchSet, recorder: Recorder, runtime: Any = None) -> None:
-    """`Work.wait` tells the recorder which operation the waiting stream now depends on.
-
-    Under the CPU runtime the recorder wraps the inner wait and the runtime's settle comes after the
-    recorder's end of the wait: the settle is host time the rank spends after the data arrived, so it
-    belongs to the next compute segment, not to the communication (whose modelled cost ends when
-    the data is there)."""
-    work_cls = torch._C._distributed_c10d.Work
-    original = runtime.inner_wait if runtime is not None else work_cls.wait
-
-    def hooked(inner):
-        def wait(self, *args, **kwargs):
-            entry = recorder.wait_begin(self)
-            result = inner(self, *args, **kwargs)
-            recorder.wait_end(entry)
-            return result
-
-        return wait
-
-    wait = hooked(original)
-    patches.patch(work_cls, "wait", runtime.settling(wait) if runtime is not None else wait)
-    # the prism backend's completed Work overrides `wait` (nothing to settle: it never blocks)
-    patches.patch(DoneWork, "wait", hooked(DoneWork.wait))
+    session.log.wait_listeners.append(recorder.wait_event)
 
 
 def patch_cuda_sync(patches: PatchSet, recorder: Recorder, clock: Any) -> None:
@@ -267,6 +252,8 @@ class AtenLabels(TorchDispatchMode):
         self.recorder = recorder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":  # communication is the backend's to record
+            return func(*args, **(kwargs or {}))
         self.recorder.enter(f"{self.recorder.label}/aten.{func.overloadpacket.__name__}")
         try:
             return func(*args, **(kwargs or {}))

@@ -95,7 +95,12 @@ class Recorder:
         self._open_spans: list[tuple] = []
         self._pending: dict[str, list[int]] = {}  # stream -> deps of its next compute node
         self._events: dict[int, tuple[Iteration, int]] = {}  # id(device event) -> node it marks
-        self._works: dict[int, tuple] = {}  # id(Work) -> (Work, iteration, its nodes, their ordinals)
+        self._works: dict[int, tuple] = {}  # work key -> (iteration, its nodes, their ordinals, real peer)
+        self._waiting: dict[int, Optional[tuple]] = {}  # work key -> its wait's entry, until the wait ends
+        self._native: Any = None  # a native trace this recorder reads (`attach_native`)
+        self._describe: Optional[Callable[[int], tuple[str, str]]] = None
+        self._dtypes: dict[int, str] = {}
+        self._replaying = False
 
     @property
     def labelling(self) -> bool:
@@ -106,12 +111,14 @@ class Recorder:
 
     def enter(self, label: str) -> None:
         with self._lock:
+            self._sync()
             if self._cur.labelled:
                 self._cut(self._fine_memory, None)
             self._labels.append(label)
 
     def exit(self) -> None:
         with self._lock:
+            self._sync()
             if self._cur.labelled:
                 self._cut(self._fine_memory, None)
             if len(self._labels) > 1:
@@ -120,6 +127,7 @@ class Recorder:
     def backward_at(self, label: str) -> None:
         """Autograd reached `label`'s backward: what follows in the open backward span is its."""
         with self._lock:
+            self._sync()
             if self._cur.labelled:
                 self._cut(self._fine_memory, None)
             for i in range(len(self._open_spans) - 1, -1, -1):
@@ -129,6 +137,7 @@ class Recorder:
 
     def span_begin(self, name: str, microbatch: int, chunk: int) -> None:
         with self._lock:
+            self._sync()
             now = self._cut(anchor=f"span:{name}")
             self._labels.append(name)
             self._open_spans.append((name, microbatch, chunk, len(self._cur.nodes), now,
@@ -136,6 +145,7 @@ class Recorder:
 
     def span_end(self) -> None:
         with self._lock:
+            self._sync()
             now = self._cut(anchor="span_end")
             name, microbatch, chunk, first, m0, depth, it = self._open_spans.pop()
             del self._labels[depth:]
@@ -144,6 +154,7 @@ class Recorder:
 
     def begin_iteration(self) -> None:
         with self._lock:
+            self._sync()
             mark = self._cur.marks[self._cut(anchor="iteration")]  # ends one, begins the next
             labelled = not self.two_pass or len(self.iterations) % 2 == 0
             self._cur = Iteration(labelled=labelled)
@@ -151,7 +162,9 @@ class Recorder:
             self.iterations.append(self._cur)
             self._pending = {}
             self._comm_ordinal = 0
-            if self._holds is not None:
+            if self._native is not None:
+                self._native.begin_iteration(labelled)
+            elif self._holds is not None:
                 self.clock.hold_iteration()
             previous = self.iterations[-2].labelled if len(self.iterations) > 1 else self.setup.labelled
         if labelled != previous:
@@ -164,8 +177,10 @@ class Recorder:
         arrival and its ghost peers' arrival, plus the modelled transfer; a synchronous operation at
         its issue, an overlapped one where it is waited for), so the run has the production duty
         cycle. The clock holds its stream and decides the ends on its own timeline."""
+        from prism_megatron.comm.native import hold_rows
+
         self._holds = list(holds)
-        self.clock.set_holds([None if h is None else (h.self_s, h.terms, h.transfer_s) for h in holds])
+        (self._native or self.clock).set_holds(hold_rows(self._holds))
 
     def origin_s(self, iteration: int = -1) -> Optional[float]:
         """The host clock (perf_counter, one clock for every process of a machine) at the start of
@@ -185,40 +200,54 @@ class Recorder:
 
     def moe_tokens(self, layer: int, tokens: list[int]) -> None:
         with self._lock:
+            self._sync()
             microbatch, chunk = self.microbatch
             self._cur.moe.append((layer, microbatch, chunk, list(tokens)))
 
     # -- communication -------------------------------------------------------------------------
+    #
+    # Live: the public methods below are called as each operation happens (a listener on the
+    # backend's log, under a Python clock), take their marks now and hold through the clock. Native:
+    # the backend recorded each operation's marks in a native trace (comm/native.py), whose entries
+    # `_sync` replays at the recorder's next boundary through the same steps, with the marks recorded
+    # and the holds already made.
 
     def comm_begin(self, op: str, dim: str, group: str, nbytes: int, dtype: str,
                    peer_delta: Optional[int], real_peer: bool = False) -> None:
         """An operation begins. `real_peer`: another sandbox takes part, so completion can take real
         time after the backend returns (a wait then always takes its mark; see `wait_begin`)."""
         with self._lock:
-            compute = self.clock.stream()
-            now = self._cut(anchor=f"comm:{op}:{group}", stream=compute)
-            it, stream = self._cur, "comm." + dim
-            idle = self._device_idle(it.marks[now]) if self._device_idle is not None else None
-            if idle:
-                it.idle.append(now)
-            last = it.last
-            deps = [last[compute]]  # the compute segment `_cut` just closed
-            if stream in last:
-                deps.append(last[stream])
-            last[stream] = len(it.nodes)
-            ordinal = -1
-            if it is not self.setup:
-                ordinal, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
-                holds = self._holds
-                if holds is not None and ordinal < len(holds) and holds[ordinal] is not None \
-                        and holds[ordinal].transfer_s is not None:
-                    self.clock.stamp(ordinal, idle)  # its begin: the backend's own work is the emulator's
-            if self._unissued and self._unissued[0][0] is not it:
-                self._unissued = []
-            self._unissued.append((it, len(it.nodes)))
-            self._real_peer = self._real_peer or real_peer
-            it.nodes.append(Node(NodeKind.COMM, op, stream, now, None, deps, op, dim, group, nbytes,
-                                  dtype, peer_delta, ordinal))
+            self._sync()
+            ordinal, idle = self._begin_comm(op, dim, group, nbytes, dtype, peer_delta, real_peer,
+                                             self.clock.stream())
+            holds = self._holds
+            if (ordinal >= 0 and holds is not None and ordinal < len(holds) and holds[ordinal] is not None
+                    and holds[ordinal].transfer_s is not None):
+                self.clock.stamp(ordinal, idle)  # its begin: the backend's own work is the emulator's
+
+    def _begin_comm(self, op, dim, group, nbytes, dtype, peer_delta, real_peer, stream,
+                    mark=None, idle=None, mem=None) -> tuple[int, Optional[bool]]:
+        now = self._cut(anchor=f"comm:{op}:{group}", stream=stream, mark=mark, mem=mem)
+        it, comm_stream = self._cur, "comm." + dim
+        if idle is None and self._device_idle is not None:
+            idle = self._device_idle(it.marks[now])
+        if idle:
+            it.idle.append(now)
+        last = it.last
+        deps = [last[stream]]  # the compute segment `_cut` just closed
+        if comm_stream in last:
+            deps.append(last[comm_stream])
+        last[comm_stream] = len(it.nodes)
+        ordinal = -1
+        if it is not self.setup:
+            ordinal, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
+        if self._unissued and self._unissued[0][0] is not it:
+            self._unissued = []
+        self._unissued.append((it, len(it.nodes)))
+        self._real_peer = self._real_peer or real_peer
+        it.nodes.append(Node(NodeKind.COMM, op, comm_stream, now, None, deps, op, dim, group, nbytes,
+                             dtype, peer_delta, ordinal))
+        return ordinal, idle
 
     def comm_event(self, event: Any) -> None:
         """`comm_begin` for a `CommEvent` of the prism backend (a `CommLog` listener)."""
@@ -226,71 +255,153 @@ class Recorder:
                         event.peer_delta, event.real_peer)
 
     def comm_issued(self, work: Any) -> None:
-        """The backend returned `work` for the operations begun since its last return (one, or
-        those of a coalesced call); their time so far was theirs (the last one's end is now)."""
+        """The backend returned `work` (its id, or the Work) for the operations begun since its last
+        return (one, or those of a coalesced call); their time so far was theirs (the last one's end
+        is now)."""
         with self._lock:
-            it = self._cur
-            group = [i for owner, i in self._unissued if owner is it]
-            self._unissued = []
-            real_peer, self._real_peer = self._real_peer, False
-            if not group:
-                return
-            now = it.add(self.clock.mark(), "issued")
-            it.nodes[group[-1]].t1 = now
-            self._seg_start = now
-            ordinals = [it.nodes[i].ordinal for i in group]
-            if self._holds is not None and it is not self.setup:
-                held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None]
-                if held:
-                    spin = any(not self._holds[k].at_wait for k in held)
-                    self.clock.hold(held, spin)
-                    if spin:  # the hold belongs to no node, as a blocked wait does not: the replay
-                        # computes it; the operation's own (local) part is what ran before it
-                        self._seg_start = it.add(self.clock.mark(), "delayed")
-            self._after_issue = self._seg_start
-            if self.blocking:  # the call returned when the operations were done
-                self._pending.setdefault(self.clock.stream(), []).extend(
-                    i for i in group if it.nodes[i].peer_delta is None)
-            if work is not None:
-                self._works[id(work)] = (work, it, group, ordinals, real_peer)
+            self._sync()
+            self._issue(work, self.clock.mark(), self._hold_at_issue)
+
+    def _hold_at_issue(self, ordinals: list[int]) -> Any:
+        """Hold the operations issued now (live): returns the mark after a hold that spun, or None."""
+        held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None]
+        if not held:
+            return None
+        spin = any(not self._holds[k].at_wait for k in held)
+        self.clock.hold(held, spin)
+        return self.clock.mark() if spin else None
+
+    def _issue(self, work: Any, mark: Any, after: Callable[[list[int]], Any]) -> None:
+        it = self._cur
+        group = [i for owner, i in self._unissued if owner is it]
+        self._unissued = []
+        real_peer, self._real_peer = self._real_peer, False
+        if not group:
+            return
+        now = it.add(mark, "issued")
+        it.nodes[group[-1]].t1 = now
+        self._seg_start = now
+        ordinals = [it.nodes[i].ordinal for i in group]
+        if self._holds is not None and it is not self.setup:
+            delayed = after(ordinals)
+            if delayed is not None:  # the hold belongs to no node, as a blocked wait does not: the
+                # replay computes it; the operation's own (local) part is what ran before it
+                self._seg_start = it.add(delayed, "delayed")
+        self._after_issue = self._seg_start
+        if self.blocking:  # the call returned when the operations were done
+            self._pending.setdefault(self.clock.stream(), []).extend(
+                i for i in group if it.nodes[i].peer_delta is None)
+        if work is not None:
+            self._works[_key(work)] = (it, group, ordinals, real_peer)
 
     def wait_begin(self, work: Any) -> Optional[tuple]:
         with self._lock:
-            entry = self._works.pop(id(work), None)
-            if entry is None:
-                return None
-            _, it, group, ordinals, real_peer = entry
-            # Waited right after its issue (a synchronous call): nothing ran in between, so no node
-            # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
-            at_once = (it is self._cur and group[-1] == len(it.nodes) - 1
-                       and self._seg_start == self._after_issue)
-            if not at_once:
-                self._cut(anchor="wait")  # what ran since the issue (overlapped work)
-            return it, group, at_once, ordinals, real_peer
+            self._sync()
+            return self._wait_begin(work, self.clock.mark)
+
+    def _wait_begin(self, work: Any, mark: Callable[[], Any]) -> Optional[tuple]:
+        entry = self._works.pop(_key(work), None)
+        if entry is None:
+            return None
+        it, group, ordinals, real_peer = entry
+        # Waited right after its issue (a synchronous call): nothing ran in between, so no node
+        # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
+        at_once = (it is self._cur and group[-1] == len(it.nodes) - 1
+                   and self._seg_start == self._after_issue)
+        if not at_once:
+            self._cut(anchor="wait", mark=mark())  # what ran since the issue (overlapped work)
+        return it, group, at_once, ordinals, real_peer
 
     def wait_end(self, entry: Optional[tuple]) -> None:
+        with self._lock:
+            self._sync()
+            self._wait_end(entry, self.clock.mark, self.clock.hold_wait)
+
+    def _wait_end(self, entry: Optional[tuple], mark: Callable[[], Any],
+                  hold: Optional[Callable[[list[int]], None]]) -> None:
         if entry is None:
             return
+        it, group, at_once, ordinals, real_peer = entry
+        if it is self._cur:
+            self._pending.setdefault(self.clock.stream(), []).extend(group)
+        held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None
+                and self._holds[k].at_wait] if self._holds is not None and it is self._cur else ()
+        if held:  # the replay's stream waits here: belongs to no node
+            if hold is not None:
+                hold(held)
+        elif at_once and not real_peer:
+            return  # the issue's mark stands: what follows is the next segment's
+        # (with another sandbox in the operation a real transfer can run after the backend
+        # returned, and the waiting stream stalls for it: that stall belongs to no node, so the
+        # next segment starts at the wait's end, not at the issue)
+        self._seg_start = self._cur.add(mark(), "waited")
+
+    def wait_event(self, work: Any, phase: int) -> None:
+        """A work's wait begins (phase 0) or ends (1): a `CommLog` wait listener (live)."""
         with self._lock:
-            it, group, at_once, ordinals, real_peer = entry
-            if it is self._cur:
-                self._pending.setdefault(self.clock.stream(), []).extend(group)
-            held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None
-                    and self._holds[k].at_wait] if self._holds is not None and it is self._cur else ()
-            if held:  # the replay's stream waits here: belongs to no node
-                self.clock.hold_wait(held)
-            elif at_once and not real_peer:
-                return  # the issue's mark stands: what follows is the next segment's
-            # (with another sandbox in the operation a real transfer can run after the backend
-            # returned, and the waiting stream stalls for it: that stall belongs to no node, so the
-            # next segment starts at the wait's end, not at the issue)
-            self._seg_start = self._cur.add(self.clock.mark(), "waited")
+            if phase == 0:
+                self._waiting[_key(work)] = self.wait_begin(work)
+            else:
+                self.wait_end(self._waiting.pop(_key(work), None))
+
+    # -- the native trace ------------------------------------------------------------------------
+
+    def attach_native(self, trace: Any, describe: Callable[[int], tuple[str, str]],
+                      dtypes: dict[int, str]) -> None:
+        """Read the operations from `trace` (comm/native.py `Trace`, on this recorder's clock):
+        `describe(group index)` gives a group's (dim, group id), `dtypes` the dtype names by code."""
+        with self._lock:
+            self._native, self._describe, self._dtypes = trace, describe, dtypes
+            trace.set_memory_reader(self._allocated)
+
+    def _sync(self) -> None:
+        """A boundary of the recorder's own: first take in the operations the native trace recorded
+        since the last one (which also tells the trace that a boundary came, for its waits)."""
+        native = self._native
+        if native is None or self._replaying:
+            return
+        if native.boundary():
+            self._replay(native.take())
+
+    def _replay(self, data: bytes) -> None:
+        from prism_megatron.comm import native as n
+
+        ops, name_of = n.load().OP_NAMES, self.clock.stream_name
+        self._replaying = True
+        try:
+            for (kind, op, flags, dtype, group, peer_delta, ordinal, value, mark, t, mark2, t2, stream,
+                 mem) in np.frombuffer(data, dtype=n.ENTRY_DTYPE).tolist():
+                at = mark if mark >= 0 else t
+                if kind == n.BEGIN:
+                    dim, group_id = self._describe(group)
+                    self._begin_comm(ops[op], dim, group_id, value, self._dtypes.get(dtype, str(dtype)),
+                                     None if peer_delta == n.NO_PEER_DELTA else peer_delta,
+                                     bool(flags & n.REAL_PEER), name_of(stream), mark=at,
+                                     idle=bool(flags & n.IDLE) if self._device_idle is not None else None,
+                                     mem=mem if flags & n.HAS_MEM else None)
+                elif kind == n.ISSUE:
+                    delayed = (mark2 if mark2 >= 0 else t2) if flags & n.HAS_MARK2 else None
+                    self._issue(value, at, lambda ordinals, delayed=delayed: delayed)
+                elif kind == n.WAIT_BEGIN:
+                    self._waiting[value] = self._wait_begin(value, self._recorded(at, flags))
+                else:
+                    self._wait_end(self._waiting.pop(value, None), self._recorded(at, flags), None)
+        finally:
+            self._replaying = False
+
+    def _recorded(self, at: Any, flags: int) -> Callable[[], Any]:
+        """A recorded mark (a wait's), or, where the trace took none, the latest mark: the trace
+        takes one wherever the recorder's rule needs one, so the fallback is for safety only."""
+        from prism_megatron.comm.native import HAS_MARK
+
+        return (lambda: at) if flags & HAS_MARK else (lambda: self._cur.marks[-1])
 
     # -- cross-stream synchronization (device events) -------------------------------------------
 
     def event_recorded(self, event: Any, stream: str) -> None:
         """`event` was recorded on `stream`: it completes with that stream's latest node."""
         with self._lock:
+            self._sync()
             if stream == self.clock.stream():
                 self._cut(anchor="event_recorded")
             if stream in self._cur.last:
@@ -299,6 +410,7 @@ class Recorder:
     def event_waited(self, event: Any, stream: str) -> None:
         """`stream` waits for `event`: its next node depends on the node the event marks."""
         with self._lock:
+            self._sync()
             entry = self._events.get(id(event))
             if entry is None or entry[0] is not self._cur:
                 return
@@ -309,6 +421,7 @@ class Recorder:
     def stream_waited(self, waiting: str, waited: str) -> None:
         """`waiting.wait_stream(waited)`: the next node of `waiting` depends on `waited`'s latest."""
         with self._lock:
+            self._sync()
             if waiting == self.clock.stream() or waited == self.clock.stream():
                 self._cut(anchor="stream_waited")
             if waited in self._cur.last and waited != waiting:
@@ -317,14 +430,15 @@ class Recorder:
     # -- internals -----------------------------------------------------------------------------
 
     def _cut(self, sample_memory: bool = True, anchor: Optional[str] = "cut",
-             stream: Optional[str] = None) -> int:
+             stream: Optional[str] = None, mark: Any = None, mem: Optional[int] = None) -> int:
         """Close the compute segment that ends now; return the mark's index. `anchor`: what the mark
         is when it is one (None: a module boundary, cut only in labelled iterations). `stream`: the
-        clock's current stream, when the caller has it."""
+        clock's current stream, when the caller has it. `mark`, `mem`: taken earlier (a native
+        trace's), instead of now."""
         it = self._cur
         if stream is None:
             stream = self.clock.stream()
-        now = it.add(self.clock.mark(), anchor)
+        now = it.add(self.clock.mark() if mark is None else mark, anchor)
         last = it.last
         deps = [last[stream]] if stream in last else []
         pending = self._pending.pop(stream, None)
@@ -333,7 +447,7 @@ class Recorder:
         last[stream] = len(it.nodes)
         it.nodes.append(Node(NodeKind.COMPUTE, self._labels[-1], stream, self._seg_start, now, deps))
         if sample_memory and it.labelled:
-            it.mem.append((now, self._allocated()))
+            it.mem.append((now, self._allocated() if mem is None else mem))
         self._seg_start = now
         return now
 
@@ -349,6 +463,7 @@ class Recorder:
         slow moment of the device or the host (a hiccup of another process, a clock dip) then moves
         no node, where a single iteration would carry it into the graph."""
         with self._lock:
+            self._sync()
             if not self.iterations:
                 raise RecorderError("no training iteration was recorded: iterations are marked by "
                                     "megatron-core's forward_backward_func; call it through "
@@ -437,3 +552,8 @@ class Recorder:
             if 0 <= j < len(its) and its[j].labelled and same_program(its[j], its[timed], its[-1]):
                 return timed, j
         return (k, k) if its[k].labelled else (timed, timed)
+
+
+def _key(work: Any) -> int:
+    """A work's key: its native id, or the object's identity."""
+    return work if isinstance(work, int) else id(work)
