@@ -399,7 +399,7 @@ def test_memcategory_values():
 
 def test_a_gpu_ranks_allocated_figures_leave_out_the_holds_plan(monkeypatch):
     """On GPU the realtime and paced holds keep their plan in two device buffers from the install on
-    (trace/cuda_hold.py): the emulator's memory, not the rank's (a real rank's NCCL buffers are not the
+    (comm/csrc/holds_cuda.h): the emulator's memory, not the rank's (a real rank's NCCL buffers are not the
     caching allocator's). The peak reported for the rank (its summary and its graph) leaves them out,
     so the sandbox's peak equals the real rank's byte for byte (2026-11-30, before the plan lived on
     the device). The allocator and the plan are stubbed: CI has no GPU; the plan's own measurement
@@ -409,13 +409,10 @@ def test_a_gpu_ranks_allocated_figures_leave_out_the_holds_plan(monkeypatch):
     from prism_megatron.trace.clock import CudaClock
     from prism_megatron.trace.output import memory_figures
 
-    class Plan:
-        device_bytes = 57_344  # TP2's plan on the H200: 594 operations, up to 4 paths each
-
     clock = CudaClock.__new__(CudaClock)  # no device: only the plan's bookkeeping is read
-    clock._holds = None
+    clock.trace = SimpleNamespace(own_device_bytes=0)
     assert clock.own_device_bytes == 0
-    clock._holds = Plan()
+    clock.trace = SimpleNamespace(own_device_bytes=57_344)  # TP2's plan on the H200: 594 operations
     inst = Installation(cfg=load_config([]), device="cuda")
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 22_400_356_864)
     assert inst.peak_memory_bytes() == 22_400_356_864  # no recorder: nothing of prism's to leave out

@@ -130,6 +130,11 @@ def _build() -> Any:
     return module
 
 
+def cuda_built() -> bool:
+    """Whether the native backend has its CUDA part (the device clock's events and holds)."""
+    return bool(load().CUDA)
+
+
 def dtype_names() -> dict[int, str]:
     """torch dtype names (`float32`, ...) by the ScalarType code the native trace records."""
     import torch

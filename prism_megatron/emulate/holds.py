@@ -26,7 +26,7 @@ The emulator's own time. Between an operation's begin and its issue the backend 
 (ghost folding, the recorder's marks): a few hundred microseconds where a real NCCL launch takes tens.
 Where the device waits for that host (after a device-to-host synchronization, as MoE dispatchers make)
 the operation runs past the end the rule gives, and that overrun is the emulator's, not the job's. The
-clocks (trace/clock.py, trace/cuda_hold.py) keep it as a debt: they plan every end on the job's
+clocks (trace/clock.py, comm/csrc/holds_cuda.h) keep it as a debt: they plan every end on the job's
 timeline (the stream's time less the debt) and pay the debt back out of later holds, which then spin
 that much less, so the device idles as long as in the replay wherever later holds leave room. Only
 spins are shortened, never compute. The debt starts at zero each iteration; what is left at the

@@ -38,7 +38,7 @@ from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable
 from prism_megatron.sim.cluster import ClusterConfig
 from prism_megatron.sim.des import Simulator
 from prism_megatron.sim.report import job_figures
-from prism_megatron.trace import cuda_hold
+from prism_megatron.comm import native
 from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE, durations_path, read_durations
 from prism_megatron.util import atomic_write_text, free_port, job_env
 
@@ -99,10 +99,12 @@ class Emulation:
         ranks = resolve_sandbox(self.sandbox, graph, times)
         text = str(graph.meta.get("config", ""))
         device = self.device or _device_of(text)
-        paced = self.pace if self.pace is not None else (device == "cuda" and cuda_hold.available())
-        if device == "cuda" and (paced or self.clock == "realtime") and not cuda_hold.available():
-            raise ConfigError("pacing and the realtime clock on GPU hold the stream with a Triton kernel: "
-                              "pip install triton, or run with --pace off and --clock virtual")
+        paced = self.pace if self.pace is not None else (device == "cuda" and native.cuda_built())
+        if device == "cuda" and (paced or self.clock == "realtime") and not native.cuda_built():
+            raise ConfigError("pacing and the realtime clock on GPU hold the stream with prism's CUDA kernel, "
+                              "and its native backend was built without nvcc: set CUDA_HOME to the CUDA "
+                              f"toolkit and remove {native.build_dir()} to rebuild it, or run with --pace off "
+                              "and --clock virtual")
         job = text = _with_faults(text, self.faults)
         if paced:  # the ghost-only replay's holds: what a collective of this rank lasts at scale
             first = self._simulator(graph, cost, []).run(causes=True)

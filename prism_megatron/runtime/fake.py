@@ -138,6 +138,19 @@ def _all_real(func: Any, args: tuple, kwargs: dict) -> bool:
     return isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex)
 
 
+def _collective(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A c10d op: the prism backend's, run as it is (no kernel of the job; its host time lies inside
+    the gap to the next op, which takes it off there: `CostClock.excluded_s`). FakeTensorMode would
+    answer it from a meta kernel, without the backend: its device's kernel is called instead, which
+    hands the (fake) tensors to the backend, whose own ops on them stay fake."""
+    if _all_real(func, args, kwargs):
+        with unset_fake_temporarily():
+            return func(*args, **kwargs)
+    leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    key = torch._C.DispatchKey.CUDA if leaves and leaves[0].device.type == "cuda" else torch._C.DispatchKey.CPU
+    return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
+
+
 class _FakeMode(TorchDispatchMode):
     """The one dispatch mode of fake execution above FakeTensorMode (one layer: every layer costs
     Python per op): answers `_local_scalar_dense` of fake tensors from the `ScalarModel`, runs ops on
@@ -158,13 +171,7 @@ class _FakeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            # the prism backend: no kernel of the job, and its host time lies inside the gap to the
-            # next op, which takes it off there (`clock.excluded_s`), as for any time it is called
-            kwargs = kwargs or {}
-            if _all_real(func, args, kwargs):
-                with unset_fake_temporarily():
-                    return func(*args, **kwargs)
-            return func(*args, **kwargs)
+            return _collective(func, args, kwargs or {})
         entered = time.perf_counter()
         clock = self.clock
         excluded = self.gc_cpu_s

@@ -82,8 +82,6 @@ _SKIP = ((), ())  # plan of an op that returns only views: nothing to look at
 
 def _plan_for(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Per-op plan: the kind of each return, and ``out=`` arguments that are written but not returned."""
-    if func.namespace == "c10d":  # a collective writes its own tensors; its backend's are not the job's
-        return _SKIP
     schema = func._schema
     kinds = tuple(_FRESH if ret.alias_info is None else _WRITTEN if ret.alias_info.is_write else _VIEW
                   for ret in schema.returns)

@@ -144,8 +144,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("index", &Backend::index);
 
   py::class_<Work, c10::intrusive_ptr<Work>>(m, "Work", c10d_module.attr("Work"))
+      // its own wait, found before the base class's (which a runtime may have replaced by a Python
+      // function: no overload of that, py::sibling(None))
       .def("wait", [](Work& w, std::chrono::milliseconds timeout) { return w.wait(timeout); },
-           py::arg("timeout") = ::kNoTimeout, py::call_guard<py::gil_scoped_release>())
+           py::arg("timeout") = ::kNoTimeout, py::call_guard<py::gil_scoped_release>(), py::sibling(py::none()))
       .def_readonly("id", &Work::id);
 
   // the ghost-data policy's pieces, for their own tests

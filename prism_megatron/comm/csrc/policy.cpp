@@ -42,7 +42,7 @@ at::Tensor number(const at::Scalar& v) {
 // exactly (CPU and CUDA kernels read it as a scalar argument, in the same compute type), made once.
 void times(at::Tensor& out, int64_t n) {
   if (is_python(out)) {
-    out.mul_(number(n));
+    out.mul_(n);
     return;
   }
   static std::mutex mu;
@@ -67,16 +67,31 @@ void times(at::Tensor& out, int64_t n) {
   out.mul_(factor);
 }
 
+// out *= v and out /= v with v as Python passes it; a fake tensor takes the Scalar (it has no values,
+// and a wrapped number handed to Python is read as a number, which a fake one cannot be)
+void mul(at::Tensor& out, const at::Scalar& v) {
+  if (is_python(out)) out.mul_(v);
+  else out.mul_(number(v));
+}
+
+void div(at::Tensor& out, const at::Scalar& v, std::optional<c10::string_view> rounding = std::nullopt) {
+  if (is_python(out)) out.div_(v, rounding);
+  else out.div_(number(v), rounding);
+}
+
 void scale(at::Tensor& out, int64_t n, int64_t r) {  // out *= n / r
   if (r == 1) return times(out, n);
-  if (floating(out.scalar_type())) out.mul_(number(double(n) / double(r)));
-  else if (n % r == 0) out.mul_(number(n / r));
-  else out.mul_(number(n)).div_(number(r), "floor");
+  if (floating(out.scalar_type())) mul(out, double(n) / double(r));
+  else if (n % r == 0) mul(out, n / r);
+  else {
+    mul(out, n);
+    div(out, r, "floor");
+  }
 }
 
 void divide(at::Tensor& out, int64_t n) {
-  if (floating(out.scalar_type())) out.div_(number(n));
-  else out.div_(number(n), "floor");
+  if (floating(out.scalar_type())) div(out, n);
+  else div(out, n, "floor");
 }
 
 // the max of `count` iid N(0, 1) per element, drawn exactly: Phi^-1(U^(1/count))
