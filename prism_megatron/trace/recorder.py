@@ -33,6 +33,11 @@ labelled segments between two anchors are scaled into the timed interval between
 labels, spans, memory samples and MoE tokens come from the labelled neighbour. Without a matching
 neighbour the requested iteration is built as recorded (`built` says which way).
 
+Communication arrives live (a listener on the backend's log calls `comm_begin`, `comm_issued` and the
+waits as they happen, under a Python clock) or from the backend's native trace, whose entries carry
+the marks taken when each operation ran and are replayed at the recorder's next boundary
+(trace/native_trace.py): the prism backend then spends no Python on an operation.
+
 No torch.distributed here: the hooks (trace/attach.py) translate framework events into these calls.
 """
 
@@ -45,6 +50,7 @@ import numpy as np
 
 from prism_megatron.graph.model import NodeKind, RoleGraph, RoleGraphBuilder, StringTable
 from prism_megatron.trace.iterations import Iteration, Node, host_bound, mapped_seconds, same_program
+from prism_megatron.trace.native_trace import NativeTraceReader
 from prism_megatron.world import Role
 
 
@@ -52,7 +58,7 @@ class RecorderError(RuntimeError):
     """The recording cannot become a graph (e.g. no iteration ran)."""
 
 
-class Recorder:
+class Recorder(NativeTraceReader):
     """Collects one rank's events; `build` turns one iteration into a RoleGraph."""
 
     def __init__(self, clock: Any, allocated_bytes: Callable[[], int],
@@ -343,58 +349,6 @@ class Recorder:
                 self._waiting[_key(work)] = self.wait_begin(work)
             else:
                 self.wait_end(self._waiting.pop(_key(work), None))
-
-    # -- the native trace ------------------------------------------------------------------------
-
-    def attach_native(self, trace: Any, describe: Callable[[int], tuple[str, str]],
-                      dtypes: dict[int, str]) -> None:
-        """Read the operations from `trace` (comm/native.py `Trace`, on this recorder's clock):
-        `describe(group index)` gives a group's (dim, group id), `dtypes` the dtype names by code."""
-        with self._lock:
-            self._native, self._describe, self._dtypes = trace, describe, dtypes
-            trace.set_memory_reader(self._allocated)
-
-    def _sync(self) -> None:
-        """A boundary of the recorder's own: first take in the operations the native trace recorded
-        since the last one (which also tells the trace that a boundary came, for its waits)."""
-        native = self._native
-        if native is None or self._replaying:
-            return
-        if native.boundary():
-            self._replay(native.take())
-
-    def _replay(self, data: bytes) -> None:
-        from prism_megatron.comm import native as n
-
-        ops, name_of = n.load().OP_NAMES, self.clock.stream_name
-        self._replaying = True
-        try:
-            for (kind, op, flags, dtype, group, peer_delta, ordinal, value, mark, t, mark2, t2, stream,
-                 mem) in np.frombuffer(data, dtype=n.ENTRY_DTYPE).tolist():
-                at = mark if mark >= 0 else t
-                if kind == n.BEGIN:
-                    dim, group_id = self._describe(group)
-                    self._begin_comm(ops[op], dim, group_id, value, self._dtypes.get(dtype, str(dtype)),
-                                     None if peer_delta == n.NO_PEER_DELTA else peer_delta,
-                                     bool(flags & n.REAL_PEER), name_of(stream), mark=at,
-                                     idle=bool(flags & n.IDLE) if self._device_idle is not None else None,
-                                     mem=mem if flags & n.HAS_MEM else None)
-                elif kind == n.ISSUE:
-                    delayed = (mark2 if mark2 >= 0 else t2) if flags & n.HAS_MARK2 else None
-                    self._issue(value, at, lambda ordinals, delayed=delayed: delayed)
-                elif kind == n.WAIT_BEGIN:
-                    self._waiting[value] = self._wait_begin(value, self._recorded(at, flags))
-                else:
-                    self._wait_end(self._waiting.pop(value, None), self._recorded(at, flags), None)
-        finally:
-            self._replaying = False
-
-    def _recorded(self, at: Any, flags: int) -> Callable[[], Any]:
-        """A recorded mark (a wait's), or, where the trace took none, the latest mark: the trace
-        takes one wherever the recorder's rule needs one, so the fallback is for safety only."""
-        from prism_megatron.comm.native import HAS_MARK
-
-        return (lambda: at) if flags & HAS_MARK else (lambda: self._cur.marks[-1])
 
     # -- cross-stream synchronization (device events) -------------------------------------------
 
