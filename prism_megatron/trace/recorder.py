@@ -107,6 +107,8 @@ class Recorder(NativeTraceReader):
         self._describe: Optional[Callable[[int], tuple[str, str]]] = None
         self._dtypes: dict[int, str] = {}
         self._replaying = False
+        self._taken = 0  # the native trace's entries read so far
+        self._deferred: list[tuple] = []  # (entries recorded before it, step, its arguments)
 
     @property
     def labelling(self) -> bool:
@@ -117,51 +119,70 @@ class Recorder(NativeTraceReader):
 
     def enter(self, label: str) -> None:
         with self._lock:
-            self._sync()
-            if self._cur.labelled:
-                self._cut(self._fine_memory, None)
-            self._labels.append(label)
+            if not self._later(self._enter, label):
+                self._enter(label)
+
+    def _enter(self, label: str) -> None:
+        if self._cur.labelled:
+            self._cut(self._fine_memory, None)
+        self._labels.append(label)
 
     def exit(self) -> None:
         with self._lock:
-            self._sync()
-            if self._cur.labelled:
-                self._cut(self._fine_memory, None)
-            if len(self._labels) > 1:
-                self._labels.pop()
+            if not self._later(self._exit):
+                self._exit()
+
+    def _exit(self) -> None:
+        if self._cur.labelled:
+            self._cut(self._fine_memory, None)
+        if len(self._labels) > 1:
+            self._labels.pop()
 
     def backward_at(self, label: str) -> None:
         """Autograd reached `label`'s backward: what follows in the open backward span is its."""
         with self._lock:
-            self._sync()
-            if self._cur.labelled:
-                self._cut(self._fine_memory, None)
-            for i in range(len(self._open_spans) - 1, -1, -1):
-                if self._open_spans[i][0] == "backward":
-                    self._labels[self._open_spans[i][5]] = label
-                    return
+            if not self._later(self._backward_at, label):
+                self._backward_at(label)
+
+    def _backward_at(self, label: str) -> None:
+        if self._cur.labelled:
+            self._cut(self._fine_memory, None)
+        for i in range(len(self._open_spans) - 1, -1, -1):
+            if self._open_spans[i][0] == "backward":
+                self._labels[self._open_spans[i][5]] = label
+                return
 
     def span_begin(self, name: str, microbatch: int, chunk: int) -> None:
         with self._lock:
-            self._sync()
-            now = self._cut(anchor=f"span:{name}")
-            self._labels.append(name)
-            self._open_spans.append((name, microbatch, chunk, len(self._cur.nodes), now,
-                                     len(self._labels) - 1, self._cur))
+            if not self._later(self._span_begin, name, microbatch, chunk, *self._now()):
+                self._span_begin(name, microbatch, chunk)
+
+    def _span_begin(self, name: str, microbatch: int, chunk: int, mark: Any = None,
+                    stream: Optional[str] = None) -> None:
+        now = self._cut(anchor=f"span:{name}", mark=mark, stream=stream)
+        self._labels.append(name)
+        self._open_spans.append((name, microbatch, chunk, len(self._cur.nodes), now,
+                                 len(self._labels) - 1, self._cur))
 
     def span_end(self) -> None:
         with self._lock:
-            self._sync()
-            now = self._cut(anchor="span_end")
-            name, microbatch, chunk, first, m0, depth, it = self._open_spans.pop()
-            del self._labels[depth:]
-            if it is self._cur:
-                it.spans.append((name, microbatch, chunk, first, len(it.nodes) - 1, m0, now))
+            if not self._later(self._span_end, *self._now()):
+                self._span_end()
+
+    def _span_end(self, mark: Any = None, stream: Optional[str] = None) -> None:
+        now = self._cut(anchor="span_end", mark=mark, stream=stream)
+        name, microbatch, chunk, first, m0, depth, it = self._open_spans.pop()
+        del self._labels[depth:]
+        if it is self._cur:
+            it.spans.append((name, microbatch, chunk, first, len(it.nodes) - 1, m0, now))
 
     def begin_iteration(self) -> None:
         with self._lock:
+            # the mark first: what the recorder then does with the last iteration's operations is
+            # host time of the next iteration (a labelled one, after a timed one)
+            early = self.clock.mark() if self._native is not None else None
             self._sync()
-            mark = self._cur.marks[self._cut(anchor="iteration")]  # ends one, begins the next
+            mark = self._cur.marks[self._cut(anchor="iteration", mark=early)]  # ends one, begins the next
             labelled = not self.two_pass or len(self.iterations) % 2 == 0
             self._cur = Iteration(labelled=labelled)
             self._seg_start = self._cur.add(mark, "iteration")
@@ -206,9 +227,13 @@ class Recorder(NativeTraceReader):
 
     def moe_tokens(self, layer: int, tokens: list[int]) -> None:
         with self._lock:
-            self._sync()
-            microbatch, chunk = self.microbatch
-            self._cur.moe.append((layer, microbatch, chunk, list(tokens)))
+            tokens = list(tokens)
+            if not self._later(self._moe_tokens, layer, tokens):
+                self._moe_tokens(layer, tokens)
+
+    def _moe_tokens(self, layer: int, tokens: list[int]) -> None:
+        microbatch, chunk = self.microbatch
+        self._cur.moe.append((layer, microbatch, chunk, tokens))
 
     # -- communication -------------------------------------------------------------------------
     #
@@ -355,31 +380,47 @@ class Recorder(NativeTraceReader):
     def event_recorded(self, event: Any, stream: str) -> None:
         """`event` was recorded on `stream`: it completes with that stream's latest node."""
         with self._lock:
-            self._sync()
-            if stream == self.clock.stream():
-                self._cut(anchor="event_recorded")
-            if stream in self._cur.last:
-                self._events[id(event)] = (self._cur, self._cur.last[stream])
+            current = self.clock.stream()
+            mark = self.clock.mark() if stream == current and self._deferring() else None
+            if not self._later(self._event_recorded, event, stream, current, mark):
+                self._event_recorded(event, stream, current)
+
+    def _event_recorded(self, event: Any, stream: str, current: str, mark: Any = None) -> None:
+        if stream == current:
+            self._cut(anchor="event_recorded", stream=current, mark=mark)
+        if stream in self._cur.last:
+            self._events[id(event)] = (self._cur, self._cur.last[stream], event)
 
     def event_waited(self, event: Any, stream: str) -> None:
         """`stream` waits for `event`: its next node depends on the node the event marks."""
         with self._lock:
-            self._sync()
-            entry = self._events.get(id(event))
-            if entry is None or entry[0] is not self._cur:
-                return
-            if stream == self.clock.stream():
-                self._cut(anchor="event_waited")
-            self._pending.setdefault(stream, []).append(entry[1])
+            current = self.clock.stream()
+            mark = self.clock.mark() if stream == current and self._deferring() else None
+            if not self._later(self._event_waited, event, stream, current, mark):
+                self._event_waited(event, stream, current)
+
+    def _event_waited(self, event: Any, stream: str, current: str, mark: Any = None) -> None:
+        entry = self._events.get(id(event))
+        if entry is None or entry[0] is not self._cur:
+            return
+        if stream == current:
+            self._cut(anchor="event_waited", stream=current, mark=mark)
+        self._pending.setdefault(stream, []).append(entry[1])
 
     def stream_waited(self, waiting: str, waited: str) -> None:
         """`waiting.wait_stream(waited)`: the next node of `waiting` depends on `waited`'s latest."""
         with self._lock:
-            self._sync()
-            if waiting == self.clock.stream() or waited == self.clock.stream():
-                self._cut(anchor="stream_waited")
-            if waited in self._cur.last and waited != waiting:
-                self._pending.setdefault(waiting, []).append(self._cur.last[waited])
+            current = self.clock.stream()
+            cuts = waiting == current or waited == current
+            mark = self.clock.mark() if cuts and self._deferring() else None
+            if not self._later(self._stream_waited, waiting, waited, current, mark):
+                self._stream_waited(waiting, waited, current)
+
+    def _stream_waited(self, waiting: str, waited: str, current: str, mark: Any = None) -> None:
+        if waiting == current or waited == current:
+            self._cut(anchor="stream_waited", stream=current, mark=mark)
+        if waited in self._cur.last and waited != waiting:
+            self._pending.setdefault(waiting, []).append(self._cur.last[waited])
 
     # -- internals -----------------------------------------------------------------------------
 

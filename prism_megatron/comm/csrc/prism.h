@@ -132,7 +132,7 @@ class Trace {
   void begin_iteration(bool labelled);
   void set_holds(std::vector<HoldRow> rows);
   py::bytes take();
-  int64_t boundary();  // a boundary of the reader's own: returns the entries pending
+  int64_t boundary();  // a boundary of the reader's own: returns how many entries were recorded so far
   int64_t epoch() const { return epoch_; }
   py::dict hold_report();
   int64_t own_device_bytes() const;

@@ -467,7 +467,7 @@ double Trace::sleep_until(double goal) {
 int64_t Trace::boundary() {
   std::lock_guard<std::mutex> lock(mu_);
   ++drains_;
-  return int64_t(entries_.size());
+  return int64_t(entries_total_ + entries_.size());
 }
 
 py::bytes Trace::take() {

@@ -1,0 +1,28 @@
+#!/bin/bash
+# One device call (1x H200): build the native backend with nvcc, measure the host time per ghost
+# operation against NCCL (benchmarks/ghost_op_cost.py, hot and cold), then the 2-rank fidelity suite's
+# emulations (benchmarks/fidelity.py --no-real) of CONFIGS. Run from the repository root with .whl/
+# carried and OUT set.
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; which nvcc ninja; nproc
+start=$(date +%s)
+PRISM_NATIVE_VERBOSE=${VERBOSE:-} python3 -c "from prism_megatron.comm import native; print('native cuda:', native.load().CUDA)" \
+  > $OUT/build.log 2>&1 || { grep -i -m 20 error $OUT/build.log; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"; tail -2 $OUT/build.log
+if [ -n "${OPCOST:-1}" ]; then
+  for mode in hot cold; do
+    timeout ${OPCOST_S:-200} python3 benchmarks/ghost_op_cost.py --device cuda --calls ${CALLS:-300} \
+      $([ $mode = cold ] && echo --cold) --json $OUT/ghost_op_cost-h200-$mode.json 2>&1 | grep -v -i warn
+  done
+fi
+for c in ${CONFIGS:-}; do
+  s=$(date +%s)
+  timeout ${LIMIT_S:-300} python3 benchmarks/fidelity.py --device cuda --no-real --configs $c --reps ${REPS:-1} \
+    --iters ${ITERS:-8} --json $OUT/fidelity-$c.json > $OUT/fidelity-$c.log 2>&1
+  echo "$c rc=$? $(( $(date +%s) - s )) s"
+  grep -v -i warn $OUT/fidelity-$c.log | tail -4
+done
+ls -la $OUT
