@@ -193,7 +193,8 @@ class Backend::Scope {
  private:
   Backend& b_;
   bool outer_;
-  at::NoGradGuard no_grad_;
+  // no autograd, no version counters: a backend writes its tensors as NCCL's kernels do
+  at::AutoDispatchBelowADInplaceOrView below_autograd_;
 };
 
 Backend::Backend(std::shared_ptr<Session> session_, std::vector<int64_t> members_, int group_rank,
@@ -294,10 +295,7 @@ int64_t Backend::inner_index(int group_rank) const {
 }
 
 GenFn Backend::gen(const at::Tensor& like, int64_t seq, int64_t salt) {
-  // read only if a generator is asked for (the random policy): identical on every real member
-  return [this, device = like.device(), seq, salt]() {
-    return make_generator(device, session->seed_for(group_id, seq, salt));
-  };
+  return GenFn{session.get(), &group_id, like.device(), seq, salt, 0};
 }
 
 // -- reductions ---------------------------------------------------------------------------------
@@ -359,6 +357,22 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tens
                                                             const c10d::AllreduceCoalescedOptions& opts) {
   Scope scope(*this);
   Reduce op = reduce_of(opts.reduceOp);
+  if (!has_peers && op == kSum && !tensors.empty() && !session->providing_reductions.load() &&
+      session->effective(tensors[0].scalar_type()) == Policy::kMirror && !ghosts.empty()) {
+    // one real member under mirror: every tensor times n, in one multi-tensor kernel
+    bool alike = true;
+    for (const auto& t : tensors) {
+      alike = alike && t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device() &&
+              !is_python(t);
+      begin(kAllReduce, int64_t(t.nbytes()), int(t.scalar_type()), -1, op);
+    }
+    if (alike) {
+      times_all(tensors, int64_t(members.size()));
+      return scope.done(tensors);
+    }
+    for (auto& t : tensors) times_into(t, t, int64_t(members.size()));
+    return scope.done(tensors);
+  }
   for (auto& t : tensors) allreduce_one(t, op);
   return scope.done(tensors);
 }
@@ -382,6 +396,19 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
     }
   }
   return scope.done(tensors);
+}
+
+void Backend::fold_into(at::Tensor& out, const at::Tensor& mine, Reduce op, int64_t seq) {
+  // out = the reduction of `mine` with the ghosts' part, one real member: out = n * mine under
+  // mirror's SUM, in one multiply; otherwise the copy and the fold, as reduce_scatter_one
+  int64_t n = int64_t(members.size());
+  if (op == kSum && session->effective(out.scalar_type()) == Policy::kMirror && !is_python(out) &&
+      !same_memory(out, mine)) {
+    times_into(out, mine, n);
+    return;
+  }
+  if (!same_memory(out, mine)) out.copy_(mine);
+  finish_reduction(*session, out, op, n, int64_t(real.size()), gen(out, seq, 0));
 }
 
 void Backend::reduce_scatter_one(at::Tensor& out, std::vector<at::Tensor> inputs, Reduce op, int64_t seq,
@@ -421,6 +448,11 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
     inner_opts.reduceOp = inner_op(op);
     wait_inner(inner(output)->_reduce_scatter_base(output, input, inner_opts));
     finish_reduction(*session, output, op, n, n, gen(output, seq, 0));
+  } else if (!has_peers && input.is_contiguous() && input.numel() == n * output.numel() &&
+             input.scalar_type() == output.scalar_type()) {
+    // one real member: its own piece, folded on the way in (one kernel where the fold is a scaling)
+    at::Tensor mine = input.view(-1).narrow(0, me * output.numel(), output.numel()).view(output.sizes());
+    fold_into(output, mine, op, seq);
   } else {
     reduce_scatter_one(output, input.chunk(n), op, seq, 0);
   }
@@ -473,7 +505,7 @@ void Backend::fill_slots(Slots& slots, int64_t seq, Op op, std::optional<bool> s
       if (block) {
         copy_broadcast(*block, local);
       } else {
-        for (int g = a; g < b; ++g) fill(*session, slots[g], &local, nullptr);
+        for (int g = a; g < b; ++g) fill(*session, slots[g], &local, GenFn{});
       }
     }
     return;
@@ -521,6 +553,19 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
     return scope.done({output});
   }
   bool even = output.is_contiguous() && output.dim() && output.size(0) % n == 0;
+  Policy policy = session->effective(output.scalar_type());
+  if (!has_peers && even && policy == Policy::kMirror &&
+      !(session->providing_rows.load() && !ghosts.empty() && !at::isFloatingType(output.scalar_type()))) {
+    // the sandbox alone under mirror (what follows, without cutting n slots): every ghost's slot a
+    // copy of ours, or, gathering in place, each ghost's own shard kept
+    int64_t rows = output.size(0) / n;
+    if (!same_memory(input, output.narrow(0, me * rows, rows))) {
+      copy_broadcast(output.view({n, -1}), input);
+    } else if (session->fresh_gathers.load() > 0) {
+      copy_broadcast(output.view({n, -1}), input.detach().clone());
+    }
+    return scope.done({output});
+  }
   Slots slots = even ? Slots(output, std::vector<int64_t>(n, output.size(0) / n)) : Slots(output.chunk(n));
   bool mirror = session->effective(output.scalar_type()) == Policy::kMirror;
   bool in_place = same_memory(input, slots[me]);

@@ -128,6 +128,7 @@ class Backend : public c10d::Backend {
   bool provided(Slots& slots, Op op);
   void fill_slots(Slots& slots, int64_t seq, Op op, std::optional<bool> skip = std::nullopt);
   bool mirror_alone(at::Tensor& output, at::Tensor& input, const at::Tensor& local, const std::vector<int64_t>& rows);
+  void fold_into(at::Tensor& out, const at::Tensor& mine, Reduce op, int64_t seq);
   void reduce_scatter_one(at::Tensor& out, std::vector<at::Tensor> inputs, Reduce op, int64_t seq, int64_t salt);
   void alltoall_real(Slots& outs, Slots& ins);
   c10::intrusive_ptr<c10d::Work> allreduce_one(at::Tensor& t, Reduce op);

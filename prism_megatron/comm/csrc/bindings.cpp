@@ -161,11 +161,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("finish_reduction", [](std::shared_ptr<Session> s, at::Tensor out, int op, int64_t n, int64_t r, uint64_t seed) {
     at::NoGradGuard no_grad;
-    finish_reduction(*s, out, Reduce(op), n, r, [&]() { return make_generator(out.device(), seed); });
+    finish_reduction(*s, out, Reduce(op), n, r, GenFn{nullptr, nullptr, out.device(), 0, 0, seed});
   });
   m.def("fill", [](std::shared_ptr<Session> s, at::Tensor dst, std::optional<at::Tensor> source, uint64_t seed) {
     at::NoGradGuard no_grad;
-    fill(*s, dst, source ? &*source : nullptr, [&]() { return make_generator(dst.device(), seed); });
+    fill(*s, dst, source ? &*source : nullptr, GenFn{nullptr, nullptr, dst.device(), 0, 0, seed});
   });
   m.def("scalar_type", [](const at::Tensor& t) { return int(t.scalar_type()); });
   m.attr("ENTRY_SIZE") = int(sizeof(Entry));

@@ -26,6 +26,10 @@ at::Generator make_generator(const at::Device& device, uint64_t seed) {
   return gen;
 }
 
+at::Generator GenFn::operator()() const {
+  return make_generator(device, session ? session->seed_for(*group_id, seq, salt) : seed);
+}
+
 namespace {
 
 bool floating(at::ScalarType t) { return at::isFloatingType(t) || at::isComplexType(t); }
@@ -38,33 +42,34 @@ at::Tensor number(const at::Scalar& v) {
   return t;
 }
 
-// out *= n, bit for bit as out.mul_(n): a 0-dim CPU tensor of out's dtype where that dtype holds n
-// exactly (CPU and CUDA kernels read it as a scalar argument, in the same compute type), made once.
+// n as a multiplier, bit for bit as Python's mul_(n): a 0-dim CPU tensor of the dtype where the dtype
+// holds n exactly (CPU and CUDA kernels read it as a scalar argument, in the same compute type), else
+// a wrapped number; made once per (n, dtype)
+at::Tensor factor_of(int64_t n, at::ScalarType dtype) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, int>, at::Tensor> factors;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_pair(n, int(dtype));
+  auto it = factors.find(key);
+  if (it == factors.end()) {
+    at::Tensor exact = at::scalar_tensor(double(n), at::TensorOptions().dtype(dtype));
+    if (exact.item<double>() != double(n)) {
+      // not exact in this dtype: a wrapped number, as Python's out.mul_(n) passes it (C++'s Scalar
+      // overload would round n to the dtype first)
+      exact = at::scalar_tensor(n, at::TensorOptions().dtype(at::kLong));
+      exact.unsafeGetTensorImpl()->set_wrapped_number(true);
+    }
+    it = factors.emplace(key, exact).first;
+  }
+  return it->second;
+}
+
 void times(at::Tensor& out, int64_t n) {
   if (is_python(out)) {
     out.mul_(n);
     return;
   }
-  static std::mutex mu;
-  static std::map<std::pair<int64_t, int>, at::Tensor> factors;
-  at::Tensor factor;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto key = std::make_pair(n, int(out.scalar_type()));
-    auto it = factors.find(key);
-    if (it == factors.end()) {
-      at::Tensor exact = at::scalar_tensor(double(n), at::TensorOptions().dtype(out.scalar_type()));
-      if (exact.item<double>() != double(n)) {
-        // n is not exact in this dtype: a wrapped number, as Python's out.mul_(n) passes it (C++'s
-        // Scalar overload rounds n to the dtype first)
-        exact = at::scalar_tensor(n, at::TensorOptions().dtype(at::kLong));
-        exact.unsafeGetTensorImpl()->set_wrapped_number(true);
-      }
-      it = factors.emplace(key, exact).first;
-    }
-    factor = it->second;
-  }
-  out.mul_(factor);
+  out.mul_(factor_of(n, out.scalar_type()));
 }
 
 // out *= v and out /= v with v as Python passes it; a fake tensor takes the Scalar (it has no values,
@@ -132,6 +137,24 @@ void tile_into(at::Tensor dst, const at::Tensor& source) {
 }
 
 }  // namespace
+
+void times_into(at::Tensor& out, const at::Tensor& src, int64_t n) {
+  if (is_python(out) || is_python(src)) {
+    if (!same_memory(out, src)) out.copy_(src);
+    out.mul_(n);
+    return;
+  }
+  at::mul_out(out, src, factor_of(n, out.scalar_type()));
+}
+
+void times_all(std::vector<at::Tensor>& tensors, int64_t n) {
+  at::Tensor factor = factor_of(n, tensors[0].scalar_type());
+  if (tensors.size() == 1 || factor.unsafeGetTensorImpl()->is_wrapped_number()) {
+    for (auto& t : tensors) t.mul_(factor);
+    return;
+  }
+  at::_foreach_mul_(tensors, factor);
+}
 
 void finish_reduction(const Session& s, at::Tensor& out, Reduce op, int64_t n, int64_t r, const GenFn& gen) {
   int64_t ghosts = n - r;

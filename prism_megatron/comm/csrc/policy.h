@@ -9,7 +9,16 @@
 
 namespace prism {
 
-using GenFn = std::function<at::Generator()>;
+// This call's generator, made only if asked for (the random policy): identical on every real member
+// for (group, call, salt); or from a given seed. No allocation until then (it is on every operation).
+struct GenFn {
+  const Session* session = nullptr;
+  const std::string* group_id = nullptr;
+  c10::Device device = c10::Device(c10::kCPU);
+  int64_t seq = 0, salt = 0;
+  uint64_t seed = 0;  // where session is null
+  at::Generator operator()() const;
+};
 
 bool is_python(const at::Tensor& t);  // a tensor subclass (fake execution's FakeTensor)
 bool same_memory(const at::Tensor& a, const at::Tensor& b);
@@ -18,6 +27,11 @@ at::Generator make_generator(const at::Device& device, uint64_t seed);
 // `out` holds the reduction over the r real members: fold in the n - r ghosts in place. For AVG,
 // `out` holds the real SUM and the average happens here.
 void finish_reduction(const Session& s, at::Tensor& out, Reduce op, int64_t n, int64_t r, const GenFn& gen);
+
+// out = src * n bit for bit as src.mul(n) (out may be src); every tensor of `tensors` *= n in one
+// multi-tensor kernel (same dtype and device)
+void times_into(at::Tensor& out, const at::Tensor& src, int64_t n);
+void times_all(std::vector<at::Tensor>& tensors, int64_t n);
 
 // A ghost's slot `dst`: a copy of `source` (mirror; tiled along dim 0 to dst's rows), zeros, or noise.
 void fill(const Session& s, at::Tensor dst, const at::Tensor* source, const GenFn& gen);
