@@ -28,6 +28,26 @@ double monotonic_s() {  // time.perf_counter's clock
   return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
 }
 
+Entry blank(int8_t kind, int64_t value, int32_t ordinal, bool real_peer) {
+  Entry e{};
+  e.kind = kind;
+  e.value = value;
+  e.group = -1;
+  e.peer_delta = INT32_MIN;
+  e.ordinal = ordinal;
+  e.mark = e.mark2 = -1;
+  e.t = e.t2 = NAN;
+  e.mem = -1;
+  e.flags = real_peer ? kRealPeer : 0;
+  return e;
+}
+
+void put(Entry& e, const Mark& m) {
+  e.mark = m.event;
+  e.t = m.t;
+  e.flags |= kHasMark;
+}
+
 void require_cuda_build() {
 #ifndef PRISM_CUDA
   TORCH_CHECK(false, "prism's native backend was built without CUDA (no nvcc was found when it was "
@@ -233,19 +253,13 @@ void Trace::push(const Entry& e) {
 }
 
 int32_t Trace::begin(int8_t op, int32_t group, int64_t nbytes, int8_t dtype, int32_t peer_delta, bool real_peer) {
-  Entry e{};
-  e.kind = kBegin;
+  Entry e = blank(kBegin, nbytes, -1, real_peer);
   e.op = op;
   e.dtype = dtype;
   e.group = group;
   e.peer_delta = peer_delta;
-  e.value = nbytes;
-  e.mark2 = -1;
-  e.t2 = NAN;
   Mark m = mark();
-  e.mark = m.event;
-  e.t = m.t;
-  e.flags = kHasMark | (real_peer ? kRealPeer : 0);
+  put(e, m);
   bool was_idle = idle(m);
   if (was_idle) e.flags |= kIdle;
 #ifdef PRISM_CUDA
@@ -270,19 +284,8 @@ int32_t Trace::begin(int8_t op, int32_t group, int64_t nbytes, int8_t dtype, int
 }
 
 double Trace::issue(int64_t work, int32_t first_ordinal, int32_t count, bool real_peer) {
-  Entry e{};
-  e.kind = kIssue;
-  e.value = work;
-  e.group = -1;
-  e.peer_delta = INT32_MIN;
-  e.ordinal = first_ordinal;
-  e.mem = -1;
-  Mark m = mark();
-  e.mark = m.event;
-  e.t = m.t;
-  e.mark2 = -1;
-  e.t2 = NAN;
-  e.flags = kHasMark | (real_peer ? kRealPeer : 0);
+  Entry e = blank(kIssue, work, first_ordinal, real_peer);
+  put(e, mark());
   std::vector<int32_t> held;
   bool spin = false;
   {
@@ -300,9 +303,9 @@ double Trace::issue(int64_t work, int32_t first_ordinal, int32_t count, bool rea
   if (!held.empty()) {
     slept = hold(held, spin);
     if (spin) {  // the hold belongs to no node: the replay computes it
-      Mark m2 = mark();
-      e.mark2 = m2.event;
-      e.t2 = m2.t;
+      Mark after = mark();
+      e.mark2 = after.event;
+      e.t2 = after.t;
       e.flags |= kHasMark2;
     }
   }
@@ -315,15 +318,7 @@ double Trace::issue(int64_t work, int32_t first_ordinal, int32_t count, bool rea
 }
 
 bool Trace::wait_begin(int64_t work, int64_t epoch) {
-  Entry e{};
-  e.kind = kWaitBegin;
-  e.value = work;
-  e.group = -1;
-  e.peer_delta = INT32_MIN;
-  e.ordinal = -1;
-  e.mem = -1;
-  e.mark = e.mark2 = -1;
-  e.t = e.t2 = NAN;
+  Entry e = blank(kWaitBegin, work, -1, false);
   bool at_once;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -332,12 +327,7 @@ bool Trace::wait_begin(int64_t work, int64_t epoch) {
     at_once = work == last_issue_work_ && entries_total_ + entries_.size() == last_issue_size_ &&
               drains_ == last_issue_drains_ && epoch == epoch_;
   }
-  if (!at_once) {
-    Mark m = mark();
-    e.mark = m.event;
-    e.t = m.t;
-    e.flags |= kHasMark;
-  }
+  if (!at_once) put(e, mark());
   std::lock_guard<std::mutex> lock(mu_);
   push(e);
   return at_once;
@@ -345,16 +335,7 @@ bool Trace::wait_begin(int64_t work, int64_t epoch) {
 
 void Trace::wait_end(int64_t work, int64_t epoch, int32_t first_ordinal, int32_t count, bool real_peer,
                      bool at_once) {
-  Entry e{};
-  e.kind = kWaitEnd;
-  e.value = work;
-  e.group = -1;
-  e.peer_delta = INT32_MIN;
-  e.ordinal = first_ordinal;
-  e.mem = -1;
-  e.mark = e.mark2 = -1;
-  e.t = e.t2 = NAN;
-  e.flags = real_peer ? kRealPeer : 0;
+  Entry e = blank(kWaitEnd, work, first_ordinal, real_peer);
   std::vector<int32_t> held;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -365,12 +346,7 @@ void Trace::wait_end(int64_t work, int64_t epoch, int32_t first_ordinal, int32_t
     }
   }
   if (!held.empty()) hold_wait(held);  // the replay's stream waits here: belongs to no node
-  if (!held.empty() || !at_once || real_peer) {
-    Mark m = mark();
-    e.mark = m.event;
-    e.t = m.t;
-    e.flags |= kHasMark;
-  }
+  if (!held.empty() || !at_once || real_peer) put(e, mark());
   std::lock_guard<std::mutex> lock(mu_);
   push(e);
 }
