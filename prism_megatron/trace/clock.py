@@ -8,7 +8,6 @@ on the device's own clock. `CpuClock` uses `time.perf_counter`, where work is sy
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Optional, Sequence
 

@@ -36,7 +36,7 @@ neighbour the requested iteration is built as recorded (`built` says which way).
 Communication arrives live (a listener on the backend's log calls `comm_begin`, `comm_issued` and the
 waits as they happen, under a Python clock) or from the backend's native trace, whose entries carry
 the marks taken when each operation ran and are replayed at the recorder's next boundary
-(trace/native_trace.py): the prism backend then spends no Python on an operation.
+(trace/comm.py): the prism backend then spends no Python on an operation.
 
 No torch.distributed here: the hooks (trace/attach.py) translate framework events into these calls.
 """
@@ -49,8 +49,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from prism_megatron.graph.model import NodeKind, RoleGraph, RoleGraphBuilder, StringTable
+from prism_megatron.trace.comm import CommSteps
 from prism_megatron.trace.iterations import Iteration, Node, host_bound, mapped_seconds, same_program
-from prism_megatron.trace.native_trace import NativeTraceReader
 from prism_megatron.world import Role
 
 
@@ -58,7 +58,7 @@ class RecorderError(RuntimeError):
     """The recording cannot become a graph (e.g. no iteration ran)."""
 
 
-class Recorder(NativeTraceReader):
+class Recorder(CommSteps):
     """Collects one rank's events; `build` turns one iteration into a RoleGraph."""
 
     def __init__(self, clock: Any, allocated_bytes: Callable[[], int],
@@ -235,146 +235,6 @@ class Recorder(NativeTraceReader):
         microbatch, chunk = self.microbatch
         self._cur.moe.append((layer, microbatch, chunk, tokens))
 
-    # -- communication -------------------------------------------------------------------------
-    #
-    # Live: the public methods below are called as each operation happens (a listener on the
-    # backend's log, under a Python clock), take their marks now and hold through the clock. Native:
-    # the backend recorded each operation's marks in a native trace (comm/native.py), whose entries
-    # `_sync` replays at the recorder's next boundary through the same steps, with the marks recorded
-    # and the holds already made.
-
-    def comm_begin(self, op: str, dim: str, group: str, nbytes: int, dtype: str,
-                   peer_delta: Optional[int], real_peer: bool = False) -> None:
-        """An operation begins. `real_peer`: another sandbox takes part, so completion can take real
-        time after the backend returns (a wait then always takes its mark; see `wait_begin`)."""
-        with self._lock:
-            self._sync()
-            ordinal, idle = self._begin_comm(op, dim, group, nbytes, dtype, peer_delta, real_peer,
-                                             self.clock.stream())
-            holds = self._holds
-            if (ordinal >= 0 and holds is not None and ordinal < len(holds) and holds[ordinal] is not None
-                    and holds[ordinal].transfer_s is not None):
-                self.clock.stamp(ordinal, idle)  # its begin: the backend's own work is the emulator's
-
-    def _begin_comm(self, op, dim, group, nbytes, dtype, peer_delta, real_peer, stream,
-                    mark=None, idle=None, mem=None) -> tuple[int, Optional[bool]]:
-        now = self._cut(anchor=f"comm:{op}:{group}", stream=stream, mark=mark, mem=mem)
-        it, comm_stream = self._cur, "comm." + dim
-        if idle is None and self._device_idle is not None:
-            idle = self._device_idle(it.marks[now])
-        if idle:
-            it.idle.append(now)
-        last = it.last
-        deps = [last[stream]]  # the compute segment `_cut` just closed
-        if comm_stream in last:
-            deps.append(last[comm_stream])
-        last[comm_stream] = len(it.nodes)
-        ordinal = -1
-        if it is not self.setup:
-            ordinal, self._comm_ordinal = self._comm_ordinal, self._comm_ordinal + 1
-        if self._unissued and self._unissued[0][0] is not it:
-            self._unissued = []
-        self._unissued.append((it, len(it.nodes)))
-        self._real_peer = self._real_peer or real_peer
-        it.nodes.append(Node(NodeKind.COMM, op, comm_stream, now, None, deps, op, dim, group, nbytes,
-                             dtype, peer_delta, ordinal))
-        return ordinal, idle
-
-    def comm_event(self, event: Any) -> None:
-        """`comm_begin` for a `CommEvent` of the prism backend (a `CommLog` listener)."""
-        self.comm_begin(event.op, event.dim, event.group_id, event.nbytes, event.dtype,
-                        event.peer_delta, event.real_peer)
-
-    def comm_issued(self, work: Any) -> None:
-        """The backend returned `work` (its id, or the Work) for the operations begun since its last
-        return (one, or those of a coalesced call); their time so far was theirs (the last one's end
-        is now)."""
-        with self._lock:
-            self._sync()
-            self._issue(work, self.clock.mark(), self._hold_at_issue)
-
-    def _hold_at_issue(self, ordinals: list[int]) -> Any:
-        """Hold the operations issued now (live): returns the mark after a hold that spun, or None."""
-        held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None]
-        if not held:
-            return None
-        spin = any(not self._holds[k].at_wait for k in held)
-        self.clock.hold(held, spin)
-        return self.clock.mark() if spin else None
-
-    def _issue(self, work: Any, mark: Any, after: Callable[[list[int]], Any]) -> None:
-        it = self._cur
-        group = [i for owner, i in self._unissued if owner is it]
-        self._unissued = []
-        real_peer, self._real_peer = self._real_peer, False
-        if not group:
-            return
-        now = it.add(mark, "issued")
-        it.nodes[group[-1]].t1 = now
-        self._seg_start = now
-        ordinals = [it.nodes[i].ordinal for i in group]
-        if self._holds is not None and it is not self.setup:
-            delayed = after(ordinals)
-            if delayed is not None:  # the hold belongs to no node, as a blocked wait does not: the
-                # replay computes it; the operation's own (local) part is what ran before it
-                self._seg_start = it.add(delayed, "delayed")
-        self._after_issue = self._seg_start
-        if self.blocking:  # the call returned when the operations were done
-            self._pending.setdefault(self.clock.stream(), []).extend(
-                i for i in group if it.nodes[i].peer_delta is None)
-        if work is not None:
-            self._works[_key(work)] = (it, group, ordinals, real_peer)
-
-    def wait_begin(self, work: Any) -> Optional[tuple]:
-        with self._lock:
-            self._sync()
-            return self._wait_begin(work, self.clock.mark)
-
-    def _wait_begin(self, work: Any, mark: Callable[[], Any]) -> Optional[tuple]:
-        entry = self._works.pop(_key(work), None)
-        if entry is None:
-            return None
-        it, group, ordinals, real_peer = entry
-        # Waited right after its issue (a synchronous call): nothing ran in between, so no node
-        # and no mark; the wait itself only ends when the work is done, which `blocking` covers.
-        at_once = (it is self._cur and group[-1] == len(it.nodes) - 1
-                   and self._seg_start == self._after_issue)
-        if not at_once:
-            self._cut(anchor="wait", mark=mark())  # what ran since the issue (overlapped work)
-        return it, group, at_once, ordinals, real_peer
-
-    def wait_end(self, entry: Optional[tuple]) -> None:
-        with self._lock:
-            self._sync()
-            self._wait_end(entry, self.clock.mark, self.clock.hold_wait)
-
-    def _wait_end(self, entry: Optional[tuple], mark: Callable[[], Any],
-                  hold: Optional[Callable[[list[int]], None]]) -> None:
-        if entry is None:
-            return
-        it, group, at_once, ordinals, real_peer = entry
-        if it is self._cur:
-            self._pending.setdefault(self.clock.stream(), []).extend(group)
-        held = [k for k in ordinals if 0 <= k < len(self._holds) and self._holds[k] is not None
-                and self._holds[k].at_wait] if self._holds is not None and it is self._cur else ()
-        if held:  # the replay's stream waits here: belongs to no node
-            if hold is not None:
-                hold(held)
-        elif at_once and not real_peer:
-            return  # the issue's mark stands: what follows is the next segment's
-        # (with another sandbox in the operation a real transfer can run after the backend
-        # returned, and the waiting stream stalls for it: that stall belongs to no node, so the
-        # next segment starts at the wait's end, not at the issue)
-        self._seg_start = self._cur.add(mark(), "waited")
-
-    def wait_event(self, work: Any, phase: int) -> None:
-        """A work's wait begins (phase 0) or ends (1): a `CommLog` wait listener (live)."""
-        with self._lock:
-            if phase == 0:
-                self._waiting[_key(work)] = self.wait_begin(work)
-            else:
-                self.wait_end(self._waiting.pop(_key(work), None))
-
     # -- cross-stream synchronization (device events) -------------------------------------------
 
     def event_recorded(self, event: Any, stream: str) -> None:
@@ -548,7 +408,3 @@ class Recorder(NativeTraceReader):
                 return timed, j
         return (k, k) if its[k].labelled else (timed, timed)
 
-
-def _key(work: Any) -> int:
-    """A work's key: its native id, or the object's identity."""
-    return work if isinstance(work, int) else id(work)
