@@ -6,9 +6,9 @@ sequence-parallel all-gather (8 slots of 6 MiB, bf16) took 44 us of device time 
 4.4 % of the rank's compute (`scale-2026-12-03/op_device.py`). Ways timed, per shape:
 
 - `expand`: `dst.copy_(row.expand(k, -1))` in the tensor's own dtype (what the backend did);
-- `widened`: `comm.ops.copy_broadcast(widen=True)`, the same copy with both sides viewed as the
+- `widened`: the native `copy_broadcast(widen=1)` (comm/native.py), the same copy with both sides viewed as the
   widest element type the bytes and addresses allow;
-- `default`: `comm.ops.copy_broadcast` as the backend calls it (widened on a GPU from
+- `default`: the native `copy_broadcast` as the backend calls it (widened on a GPU from
   `WIDEN_MIN_BYTES` of destination up, plain below and on CPU);
 - `doubling`: our row into slot 0, then contiguous copies of slots [0, j) to [j, 2j): log2(k) + 1
   copies (memcpy-like kernels, but each reads what it writes);
@@ -37,8 +37,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from prism_megatron.comm.ops import copy_broadcast  # noqa: E402
+from prism_megatron.comm.native import load as _native  # noqa: E402
 from prism_megatron.util import atomic_write_text  # noqa: E402
+
+
+def copy_broadcast(dst, row, widen=None):
+    _native().copy_broadcast(dst, row, -1 if widen is None else int(widen))
+
 
 SHAPES = [  # (name, slots, row elements, dtype)
     ("gpt175b sp all-gather: tp8, 256 x 12288", 8, 256 * 12288, torch.bfloat16),

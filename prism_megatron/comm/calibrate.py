@@ -125,9 +125,13 @@ def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out
             if op == "send" and k != 2:
                 continue
             if inst is not None:
-                # A recorded run charges the settle after a p2p wait to the next compute segment
-                # (trace/attach.py: patch_wait); collectives wait inside the backend, settle included.
-                inst.runtime.settle_after_wait_s = 0.0 if op == "send" else settle_s
+                # A recorded run charges the settle after a p2p wait to the next compute segment (the
+                # native Work records the wait's end before it settles); collectives wait inside the
+                # backend, settle included.
+                settle = 0.0 if op == "send" else settle_s
+                inst.runtime.settle_after_wait_s = settle
+                if inst.session is not None:
+                    inst.session.native.settle_after_wait_s = settle
             for nbytes in sizes:
                 t = _time_op(dist, torch, op, nbytes, partitions[mine], groups[mine], rank, device,
                              min_time_s)
