@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--pace", choices=("auto", "on", "off"), default="auto",
                              help="hold each of the sandbox's collectives on its device stream for the wait "
                                   "a ghost-only replay computes, so compute is measured at the production "
-                                  "duty cycle (auto: on GPU, where Triton is installed)")
+                                  "duty cycle (auto: on GPU, where the native backend has its CUDA part)")
             cmd.add_argument("--faults", default=None,
                              help="fault specs injected into the job, e.g. "
                                   "\"slow(4711, 1.5); link(node3, 2)\" (default: the config's faults.inject)")

@@ -74,9 +74,10 @@ class Emulation:
     measured wall-clock iteration is reported beside the virtual figure."""
     pace: Optional[bool] = None
     """Run the sandboxes with each collective holding the device stream as a ghost-only replay says
-    (emulate/holds.py; default: on GPU where Triton is installed). A real rank's host keeps launching while its NCCL
-    kernel waits; a sandbox whose collectives end at once has no such slack, and in a launch-bound
-    job its measured compute then includes device idle the real job does not have. Nothing changes
+    (emulate/holds.py; default: on GPU where the native backend was built with nvcc). A real rank's
+    host keeps launching while its NCCL kernel waits; a sandbox whose collectives end at once has no
+    such slack, and in a launch-bound job its measured compute then includes device idle the real
+    job does not have. Nothing changes
     on CPU (a sleep there holds the host too), and the iteration time is still computed."""
     faults: Optional[str] = None
     """Fault specs (faults/spec.py) injected into the job: ghosts they name are replayed slowed, their
