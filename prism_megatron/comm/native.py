@@ -103,7 +103,7 @@ def _build() -> Any:
     cuda = _with_cuda()
     sources = [CSRC / f for f in ("bindings.cpp", "session.cpp", "policy.cpp", "trace.cpp", "backend.cpp")]
     if cuda:
-        sources += [CSRC / "holds_cuda.cpp", CSRC / "holds.cu"]
+        sources += [CSRC / "holds_cuda.cpp", CSRC / "holds.cu", CSRC / "fold_cuda.cpp", CSRC / "fold.cu"]
     flags = (["-O0", "-g"] if os.environ.get("PRISM_NATIVE_DEBUG") else ["-O2"]) + ["-Wno-attributes"] + (
         ["-DPRISM_CUDA"] if cuda else [])
     try:

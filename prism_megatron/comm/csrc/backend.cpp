@@ -73,6 +73,8 @@ struct Running {
   int32_t first_ordinal = -1, count = 0;
   bool real_peer = false;
   int64_t start_ns = 0, cpu_start_ns = 0;
+  SharedMark shared;  // the begin mark the members of a coalesced call share (see share_mark)
+  bool share_mark = false;
 };
 thread_local Running running;
 
@@ -255,7 +257,8 @@ int64_t Backend::begin(Op op, int64_t nbytes, int dtype, int peer, int reduce) {
   }
   auto trace = std::atomic_load(&session->trace);
   if (trace) {
-    int32_t ordinal = trace->begin(op, index, nbytes, int8_t(dtype), peer_delta, real_peer);
+    int32_t ordinal = trace->begin(op, index, nbytes, int8_t(dtype), peer_delta, real_peer,
+                                   running.share_mark ? &running.shared : nullptr);
     if (running.count == 0) running.first_ordinal = ordinal;
     ++running.count;
   }
@@ -359,13 +362,16 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tens
   Reduce op = reduce_of(opts.reduceOp);
   if (!has_peers && op == kSum && !tensors.empty() && !session->providing_reductions.load() &&
       session->effective(tensors[0].scalar_type()) == Policy::kMirror && !ghosts.empty()) {
-    // one real member under mirror: every tensor times n, in one multi-tensor kernel
+    // one real member under mirror: every tensor times n, in one multi-tensor kernel; their begins
+    // come before it, with nothing enqueued between them: one mark for all
     bool alike = true;
+    running.share_mark = true;
     for (const auto& t : tensors) {
       alike = alike && t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device() &&
               !is_python(t);
       begin(kAllReduce, int64_t(t.nbytes()), int(t.scalar_type()), -1, op);
     }
+    running.share_mark = false;
     if (alike) {
       times_all(tensors, int64_t(members.size()));
       return scope.done(tensors);

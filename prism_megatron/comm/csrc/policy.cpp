@@ -3,6 +3,16 @@
 #include <ATen/ATen.h>
 #include <c10/core/DispatchKey.h>
 
+#ifdef PRISM_CUDA
+#include "fold_cuda.h"
+#else
+namespace prism {  // the CPU build: ATen's kernels everywhere
+inline bool cuda_scale(at::Tensor&, const at::Tensor&, int64_t) { return false; }
+inline bool cuda_scale_all(std::vector<at::Tensor>&, int64_t) { return false; }
+inline bool cuda_broadcast_rows(at::Tensor&, const at::Tensor&) { return false; }
+}  // namespace prism
+#endif
+
 namespace prism {
 
 bool is_python(const at::Tensor& t) {
@@ -69,6 +79,7 @@ void times(at::Tensor& out, int64_t n) {
     out.mul_(n);
     return;
   }
+  if (out.is_cuda() && cuda_scale(out, out, n)) return;
   out.mul_(factor_of(n, out.scalar_type()));
 }
 
@@ -144,10 +155,12 @@ void times_into(at::Tensor& out, const at::Tensor& src, int64_t n) {
     out.mul_(n);
     return;
   }
+  if (out.is_cuda() && cuda_scale(out, src, n)) return;
   at::mul_out(out, src, factor_of(n, out.scalar_type()));
 }
 
 void times_all(std::vector<at::Tensor>& tensors, int64_t n) {
+  if (!tensors.empty() && tensors[0].is_cuda() && cuda_scale_all(tensors, n)) return;
   at::Tensor factor = factor_of(n, tensors[0].scalar_type());
   if (tensors.size() == 1 || factor.unsafeGetTensorImpl()->is_wrapped_number()) {
     for (auto& t : tensors) t.mul_(factor);
@@ -223,6 +236,10 @@ void copy_broadcast(at::Tensor dst, const at::Tensor& row, int widen) {
   // On a GPU the copy kernel reads a broadcast source one element per thread: both sides are viewed
   // as the widest type their bytes and addresses allow (from kWidenMinBytes up, where it pays).
   int64_t k = dst.size(0);
+  if (widen < 0 && dst.is_cuda() && row.numel() == dst.numel() / std::max<int64_t>(k, 1) && dst.dim() == 2) {
+    at::Tensor flat_row = row.is_contiguous() ? row.view(-1) : row;
+    if (cuda_broadcast_rows(dst, flat_row)) return;
+  }
   bool wide_copy = widen < 0 ? (dst.is_cuda() && int64_t(dst.nbytes()) >= kWidenMinBytes) : widen > 0;
   if (wide_copy && !is_python(dst) && !is_python(row) && dst.scalar_type() == row.scalar_type() &&
       row.dim() && dst.is_contiguous() && row.is_contiguous()) {

@@ -75,6 +75,11 @@ struct Mark {
 
 enum class Clock : int8_t { kCpu = 1, kCuda = 2 };
 
+struct SharedMark {
+  Mark mark;
+  bool idle = false, set = false;
+};
+
 // One operation's hold (emulate/holds.py `Hold`), in nanoseconds of the job's timeline.
 struct HoldRow {
   bool present = false;
@@ -122,7 +127,10 @@ class Trace {
   int64_t events_used() const { return events_used_; }
 
   // -- the per-operation record (called by backends, with the GIL released) --
-  int32_t begin(int8_t op, int32_t group, int64_t nbytes, int8_t dtype, int32_t peer_delta, bool real_peer);
+  // `shared`: where set, the mark (and idle probe) of an earlier begin with nothing enqueued since
+  // (the members of a coalesced call); where unset, this begin's are stored in it
+  int32_t begin(int8_t op, int32_t group, int64_t nbytes, int8_t dtype, int32_t peer_delta, bool real_peer,
+                struct SharedMark* shared = nullptr);
   double issue(int64_t work, int32_t first_ordinal, int32_t count, bool real_peer);  // seconds held
   bool wait_begin(int64_t work, int64_t epoch);  // returns whether the wait came at once
   void wait_end(int64_t work, int64_t epoch, int32_t first_ordinal, int32_t count, bool real_peer,
@@ -154,7 +162,7 @@ class Trace {
   std::mutex mu_;
   std::vector<Entry> entries_;
   size_t entries_total_ = 0;  // entries taken so far
-  bool labelled_ = true;
+  std::atomic<bool> labelled_{true};  // set between iterations, read by every begin
   int64_t epoch_ = 0;  // 0: the setup; k: iteration k
   int32_t ordinal_ = 0;
   int64_t drains_ = 0;

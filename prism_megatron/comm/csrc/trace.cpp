@@ -252,26 +252,31 @@ void Trace::push(const Entry& e) {
   entries_.push_back(e);
 }
 
-int32_t Trace::begin(int8_t op, int32_t group, int64_t nbytes, int8_t dtype, int32_t peer_delta, bool real_peer) {
+int32_t Trace::begin(int8_t op, int32_t group, int64_t nbytes, int8_t dtype, int32_t peer_delta, bool real_peer,
+                     SharedMark* shared) {
   Entry e = blank(kBegin, nbytes, -1, real_peer);
   e.op = op;
   e.dtype = dtype;
   e.group = group;
   e.peer_delta = peer_delta;
-  Mark m = mark();
-  put(e, m);
-  bool was_idle = idle(m);
+  bool was_idle;
+  if (shared && shared->set) {
+    put(e, shared->mark);
+    was_idle = shared->idle;
+  } else {
+    Mark m = mark();
+    put(e, m);
+    was_idle = idle(m);
+    if (shared) *shared = SharedMark{m, was_idle, true};
+  }
   if (was_idle) e.flags |= kIdle;
 #ifdef PRISM_CUDA
   if (clock_ == Clock::kCuda) e.stream = c10::cuda::getCurrentCUDAStream().id();
 #endif
-  bool labelled;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    labelled = labelled_;
+  if (labelled_.load(std::memory_order_relaxed)) {
+    e.mem = memory_sample();
+    if (e.mem >= 0) e.flags |= kHasMem;
   }
-  e.mem = labelled ? memory_sample() : -1;
-  if (e.mem >= 0) e.flags |= kHasMem;
   std::lock_guard<std::mutex> lock(mu_);
   e.ordinal = epoch_ > 0 ? ordinal_++ : -1;
   if (epoch_ == 0) e.flags |= kSetup;
