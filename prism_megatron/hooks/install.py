@@ -238,6 +238,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
             session.native.settle_after_wait_s = inst.runtime.settle_after_wait_s
         if inst.routing is not None:
             session.ghost_data.append(inst.routing.provide)
+            inst.routing.offer = session.native.offer_row
         if inst.recorder is not None:
             connect_comm(inst.recorder, session)
             if cfg.emulation.clock == "realtime":

@@ -38,6 +38,22 @@ class RoutingState:
         self.capacity_factor = capacity_factor  # model.moe_expert_capacity_factor: megatron drops
         self.last: Optional[dict] = None  # keyword arguments of the latest counts() call
         self.capacity_exchange: Optional[dict] = None  # a DeepSpeed dropless gate's pending exchange
+        self.offer: Optional[Callable[[Optional[torch.Tensor]], None]] = None
+        """Where a router call hands the ghosts' row ahead of the count all-gather (the native
+        session's `offer_row`): a model whose counts do not depend on the sending rank gives every
+        ghost the same row, so the backend fills the gather's ghost slots itself, without calling
+        `provide` under the interpreter lock for each gather."""
+
+    def route(self, key: dict, device: torch.device) -> None:
+        """Record a router call's arguments (`last`) and offer the ghosts' row for its gather."""
+        self.last = key
+        if self.offer is None:
+            return
+        if self.model.depends_on_source:
+            self.offer(None)  # one row per ghost: `provide` answers
+            return
+        row = torch.from_numpy(np.ascontiguousarray(self._kept(self.model.counts(**key, source=0))))
+        self.offer(row.pin_memory() if device.type == "cuda" else row)
 
     def provide(self, op: str, members: tuple[int, ...], ghosts: list[int],
                 like: torch.Tensor) -> Optional[np.ndarray]:
@@ -51,12 +67,15 @@ class RoutingState:
             rows = np.stack([self.model.counts(**last, source=g) for g in ghosts])
         else:
             rows = np.broadcast_to(self.model.counts(**last, source=ghosts[0]), (len(ghosts), last["experts"]))
-        if self.capacity_factor is not None:  # what megatron keeps per expert: min(load, capacity)
-            t, k, e = last["tokens"], last["topk"], last["experts"]
-            capacity = math.ceil(t * k / e * self.capacity_factor)
-            if capacity < t:
-                rows = np.minimum(rows, capacity)
-        return rows
+        return self._kept(rows)
+
+    def _kept(self, rows: np.ndarray) -> np.ndarray:
+        """What megatron keeps of `rows` (loads per expert) under a capacity: min(load, capacity)."""
+        if self.capacity_factor is None:
+            return rows
+        t, k, e = self.last["tokens"], self.last["topk"], self.last["experts"]
+        capacity = math.ceil(t * k / e * self.capacity_factor)
+        return np.minimum(rows, capacity) if capacity < t else rows
 
 
 def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -91,7 +110,7 @@ class ModelledTopk:
         self.calls += 1
         key = dict(experts=experts, tokens=tokens, topk=topk, layer=self.layer, microbatch=microbatch,
                    iteration=iteration)
-        self.state.last = key
+        self.state.route(key, scores.device)
         counts = self.model.counts(**key, source=self._source())
         self.last_counts = counts
         rmap = routing_map(counts, tokens, topk)

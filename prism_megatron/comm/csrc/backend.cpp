@@ -475,11 +475,35 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vec
 
 // -- gathers ------------------------------------------------------------------------------------
 
+bool Backend::may_provide(at::ScalarType dtype) const {
+  return !ghosts.empty() && !at::isFloatingType(dtype) && !at::isComplexType(dtype) &&
+         (session->providing_rows.load() || session->row_offered.load());
+}
+
 bool Backend::provided(Slots& slots, Op op) {
-  // whether a provider (session.ghost_data) filled every ghost slot: integer data only (counts)
-  if (!session->providing_rows.load() || ghosts.empty()) return false;
+  // whether the offered row or a provider (session.ghost_data) filled every ghost slot: integer data
+  // only (counts)
+  if (ghosts.empty()) return false;
   at::Tensor like = slots[ghosts[0]];
-  if (at::isFloatingType(like.scalar_type()) || at::isComplexType(like.scalar_type())) return false;
+  if (!may_provide(like.scalar_type())) return false;
+  if (op == kAllGather) {
+    at::Tensor row = session->offered_row_for(like);
+    if (row.defined()) {
+      for (const auto& [i, a, b] : runs) {  // one copy from the host, then on the device
+        at::Tensor first = slots[a];
+        first.copy_(row.view(first.sizes()), /*non_blocking=*/true);
+        if (b - a == 1) continue;
+        auto block = slots.block(a + 1, b);
+        if (block) {
+          copy_broadcast(*block, first);
+        } else {
+          for (int k = a + 1; k < b; ++k) slots[k].copy_(first);
+        }
+      }
+      return true;
+    }
+  }
+  if (!session->providing_rows.load()) return false;
   at::Tensor rows;
   {
     py::gil_scoped_acquire gil;
@@ -561,7 +585,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
   bool even = output.is_contiguous() && output.dim() && output.size(0) % n == 0;
   Policy policy = session->effective(output.scalar_type());
   if (!has_peers && even && policy == Policy::kMirror &&
-      !(session->providing_rows.load() && !ghosts.empty() && !at::isFloatingType(output.scalar_type()))) {
+      !may_provide(output.scalar_type())) {
     // the sandbox alone under mirror (what follows, without cutting n slots): every ghost's slot a
     // copy of ours, or, gathering in place, each ghost's own shard kept
     int64_t rows = output.size(0) / n;

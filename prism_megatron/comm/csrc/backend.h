@@ -125,6 +125,7 @@ class Backend : public c10d::Backend {
   bool is_real(int g) const { return real_set_[g]; }
   GenFn gen(const at::Tensor& like, int64_t seq, int64_t salt);
   bool reduction_provided(at::Tensor& out, Reduce op);
+  bool may_provide(at::ScalarType dtype) const;  // a provider or the offered row may fill ghosts
   bool provided(Slots& slots, Op op);
   void fill_slots(Slots& slots, int64_t seq, Op op, std::optional<bool> skip = std::nullopt);
   bool mirror_alone(at::Tensor& output, at::Tensor& input, const at::Tensor& local, const std::vector<int64_t>& rows);

@@ -78,6 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              s.providing_rows = !s.ghost_rows.is_none();
              s.providing_reductions = !s.ghost_reduction.is_none();
            })
+      .def("offer_row", [](Session& s, std::optional<at::Tensor> row) { s.offer_row(row ? *row : at::Tensor()); },
+           py::arg("row").none(true), py::call_guard<py::gil_scoped_release>())
       .def("set_p2p",
            [](Session& s, const std::string& type, c10::intrusive_ptr<c10d::Backend> backend) { s.p2p[type] = backend; })
       .def("attach_trace", [](Session& s, std::shared_ptr<Trace> trace) { std::atomic_store(&s.trace, trace); },

@@ -210,13 +210,22 @@ class Session : public std::enable_shared_from_this<Session> {
   py::object ghost_rows = py::none(), ghost_reduction = py::none();
   std::atomic<bool> listening{false}, providing_rows{false}, providing_reductions{false};
 
+  // One integer row offered ahead of the all-gather that needs it (the routing model's ghost token
+  // counts, offered once per router call, in pinned host memory on GPU): every ghost's slot of an
+  // integer all-gather whose slot has the row's dtype and length gets a copy, without asking Python.
+  // Host memory, so that the rank's device allocations stay those of a real rank.
+  void offer_row(at::Tensor row);
+  at::Tensor offered_row_for(const at::Tensor& slot);  // undefined: none offered matches
+  std::atomic<bool> row_offered{false};
+
   std::shared_ptr<Trace> trace;  // set while a native recorder attaches
   std::map<std::string, c10::intrusive_ptr<c10d::Backend>> p2p;  // device type -> real backend
 
   int64_t next_work_id() { return ++work_ids_; }
 
  private:
-  std::mutex mu_;
+  std::mutex mu_, row_mu_;
+  at::Tensor offered_row_;
   std::unordered_map<int64_t, int64_t> physical_;
   std::vector<std::array<int64_t, 2 * kOpCount>> counts_;
   std::atomic<int64_t> work_ids_{0};

@@ -45,6 +45,20 @@ uint64_t Session::seed_for(const std::string& group_id, int64_t seq, int64_t sal
   return h & ((uint64_t(1) << 63) - 1);
 }
 
+void Session::offer_row(at::Tensor row) {
+  std::lock_guard<std::mutex> lock(row_mu_);
+  offered_row_ = row.defined() ? row.detach().reshape({-1}) : at::Tensor();
+  row_offered = offered_row_.defined();
+}
+
+at::Tensor Session::offered_row_for(const at::Tensor& slot) {
+  if (!row_offered.load()) return at::Tensor();
+  std::lock_guard<std::mutex> lock(row_mu_);
+  const at::Tensor& row = offered_row_;
+  if (!row.defined() || row.scalar_type() != slot.scalar_type() || row.numel() != slot.numel()) return at::Tensor();
+  return row;
+}
+
 void Session::count(int32_t group, int8_t op, int64_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (group >= int32_t(counts_.size())) counts_.resize(group + 1, {});
