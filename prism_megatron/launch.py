@@ -7,13 +7,17 @@ The `--prism-*` arguments (the same flags `add_prism_args` defines) configure th
 Megatron flags we know (`--tensor-model-parallel-size`, `--num-layers`, ...) are read as well, and stay
 in the script's arguments. The hooks are installed once, in this process, before the script runs.
 The script then sees its arguments without the `--prism-*` ones, because an unmodified Megatron-LM
-parser rejects unknown flags.
+parser rejects unknown flags, and the environment torchrun would give its rank of the virtual world
+(`present_virtual_world`).
 
-A script that reads the `--prism-*` flags itself (through `add_prism_args`, as our examples and the
-patched `pretrain_gpt.py` do) gets the launch's arguments as their defaults through the environment
+A script that reads the `--prism-*` flags itself (through `add_prism_args`, as our examples do)
+gets the launch's arguments as their defaults through the environment
 (`PRISM_MEGATRON_LAUNCH_ARGS`). Its own
 `prism_megatron.install(cfg)` returns the installation already made. With P > 1, torchrun starts P
 copies of this launcher, one process per sandbox rank.
+
+This is the one way to run a script that knows nothing of prism: no patched copy of Megatron-LM's
+`pretrain_gpt.py` is kept beside it (one would have to follow every Megatron-LM release).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 
 def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
@@ -67,7 +71,7 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str
 def install_from_argv(argv: Optional[list[str]] = None):
     """Install the hooks from the `--prism-*` (and known Megatron) flags in `argv` (default:
     sys.argv[1:]); returns (the Installation, the `--prism-*` tokens, the other tokens). Raises
-    ConfigError on bad input. For Megatron-LM's `pretrain_gpt.py` (patches/)."""
+    ConfigError on bad input."""
     import prism_megatron
     from prism_megatron.config.flags import config_from_args
 
@@ -79,17 +83,32 @@ def install_from_argv(argv: Optional[list[str]] = None):
     return prism_megatron.install(cfg), prism_tokens, rest
 
 
-def extra_args_provider(inner: Optional[Callable] = None) -> Callable:
-    """A Megatron-LM `extra_args_provider` that adds the `--prism-*` flags after `inner`'s, so
-    Megatron's own parser accepts them (patches/)."""
-    from prism_megatron.config.flags import add_prism_args
+def present_virtual_world(emulation, environ=os.environ) -> None:
+    """Give the script the environment torchrun would give rank r of the virtual world.
 
-    def provider(parser):
-        if inner is not None:
-            parser = inner(parser) or parser
-        return add_prism_args(parser)
+    RANK is this process's sandbox rank and WORLD_SIZE the virtual world's size, so the script's
+    own checks (Megatron-LM's `validate_args`: world size divisible by TP x PP x CP) and its
+    `init_process_group(world_size=..., rank=...)` see the job it stands for. LOCAL_RANK and
+    LOCAL_WORLD_SIZE stay physical: a script picks its GPU by LOCAL_RANK
+    (`torch.cuda.set_device`), and this machine has the physical devices only. The physical rank
+    and process count move to PRISM_PHYSICAL_RANK / PRISM_PHYSICAL_WORLD_SIZE, where the
+    init_process_group hook finds them (hooks/torch_dist.py). MASTER_ADDR/PORT are the physical
+    processes' meeting point, set for a lone process too, since scripts read them. Without a
+    virtual world (`--prism-virtual-world-size` absent) nothing changes."""
+    from prism_megatron.util import PHYSICAL_RANK_ENV, PHYSICAL_WORLD_SIZE_ENV
 
-    return provider
+    n = emulation.virtual_world_size
+    if n is None or PHYSICAL_WORLD_SIZE_ENV in environ:
+        return
+    p_rank, p_size = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
+    sandbox = list(emulation.sandbox_ranks) or list(range(p_size))
+    environ[PHYSICAL_RANK_ENV], environ[PHYSICAL_WORLD_SIZE_ENV] = str(p_rank), str(p_size)
+    environ["RANK"] = str(sandbox[p_rank] if p_rank < len(sandbox) else p_rank)
+    environ["WORLD_SIZE"] = str(n)
+    environ.setdefault("LOCAL_RANK", "0")
+    environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    environ.setdefault("MASTER_PORT", "29500")
 
 
 def run(script: str, argv: list[str]) -> int:
@@ -103,26 +122,45 @@ def run(script: str, argv: list[str]) -> int:
         print(f"prism-megatron launch: error: {script} is not a file; give the training script to run "
               "after --", file=sys.stderr)
         return 2
+    # As `python SCRIPT` would, and before the hooks install: the CPU runtime adapts the script's
+    # own Megatron-LM (megatron.legacy) where it is importable.
+    sys.path.insert(0, str(path.resolve().parent))
     try:
         inst, prism_tokens, rest = install_from_argv(argv)
     except ConfigError as err:
         print(f"prism-megatron launch: error: {err}", file=sys.stderr)
         return 2
     os.environ[LAUNCH_ENV] = json.dumps(prism_tokens)
+    present_virtual_world(inst.cfg.emulation)
     install_mod.set_launched(inst)
     saved = sys.argv
     sys.argv = [str(path), *rest]
-    sys.path.insert(0, str(path.resolve().parent))
+    code = 0
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as done:
-        code = done.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     finally:
         sys.argv = saved
         install_mod.set_launched(None)
-        inst.uninstall()
-    return 0
+        try:
+            if code == 0:
+                _write_launch_summary(inst, str(path), split_args(argv)[0].prism_summary_json)
+        finally:
+            inst.uninstall()
+    return code
+
+
+def _write_launch_summary(inst, script: str, path: Optional[str]) -> None:
+    """`--prism-summary-json PATH` for a script that does not write one itself (Megatron-LM's
+    `pretrain_gpt.py`): what the hooks saw of the rank (iterations: forward-backward passes),
+    with its peak memory and communication counts (`Installation.write_summary`)."""
+    if not path or inst.summary_written is not None or inst.session is None:
+        return
+    summary = {"script": script, "virtual_world_size": inst.session.world_size,
+               "virtual_rank": inst.session.virtual_rank,
+               "iterations": inst.schedules.iterations if inst.schedules is not None else 0}
+    inst.write_summary(summary, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

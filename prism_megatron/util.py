@@ -60,12 +60,23 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
+PHYSICAL_RANK_ENV = "PRISM_PHYSICAL_RANK"
+PHYSICAL_WORLD_SIZE_ENV = "PRISM_PHYSICAL_WORLD_SIZE"
+"""Set by `prism-megatron launch`, which gives the script the *virtual* RANK and WORLD_SIZE (as
+torchrun would give them in the real job): the physical processes' own rank and count live here."""
+
+
+def physical_world_size() -> int:
+    """How many processes were launched on the machines (not the virtual world)."""
+    return int(os.environ.get(PHYSICAL_WORLD_SIZE_ENV) or os.environ.get("WORLD_SIZE", "1"))
+
+
 def per_rank_path(path: str, virtual_rank: int) -> str:
-    """`{rank}` in `path` becomes the virtual rank; with several processes (WORLD_SIZE > 1) and no
-    `{rank}`, `.rank<r>` goes before the extension, so that processes never write one file."""
+    """`{rank}` in `path` becomes the virtual rank; with several processes and no `{rank}`,
+    `.rank<r>` goes before the extension, so that processes never write one file."""
     if "{rank}" in path:
         return path.replace("{rank}", str(virtual_rank))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if physical_world_size() > 1:
         stem, ext = os.path.splitext(path)
         return f"{stem}.rank{virtual_rank}{ext}"
     return path

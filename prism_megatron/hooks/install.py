@@ -39,6 +39,7 @@ from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.hooks.deepspeed import install_deepspeed
 from prism_megatron.hooks.fake import fake_summary, install_fake, resolve_execution
 from prism_megatron.hooks.megatron import make_initialize_model_parallel, make_setup_embeddings
+from prism_megatron.hooks.megatron_lm import install_megatron_lm
 from prism_megatron.hooks.schedules import ScheduleHooks
 from prism_megatron.hooks.torch_dist import (
     make_broadcast_object_list,
@@ -46,7 +47,8 @@ from prism_megatron.hooks.torch_dist import (
     make_new_group,
 )
 from prism_megatron.kernels.host import ENV as MODULE_HOST_ENV
-from prism_megatron.runtime.cpu import CpuRuntime
+from prism_megatron.kernels.model import GPU_SPECS
+from prism_megatron.runtime.cpu import CpuRuntime, DeviceProperties
 from prism_megatron.runtime.local_specs import activate_local_specs
 from prism_megatron.runtime.memory import StorageTracker
 from prism_megatron.runtime.patching import PatchSet
@@ -69,6 +71,17 @@ def resolve_device(cfg: PrismConfig) -> str:
     return cfg.train.device
 
 
+def _device_properties(target_gpu: str) -> DeviceProperties:
+    """The CPU runtime's answer to `get_device_properties`: the target GPU where it is a known type
+    (a calibration file's path: the H200 defaults)."""
+    spec = GPU_SPECS.get(target_gpu)
+    if spec is None:
+        return DeviceProperties()
+    major, minor = spec.compute_capability
+    return DeviceProperties(name=f"NVIDIA {spec.name.upper()}", major=major, minor=minor,
+                            total_memory=spec.memory_bytes, multi_processor_count=spec.sm_count)
+
+
 @dataclass
 class Installation:
     """What `install` changed; the session appears once init_process_group has run."""
@@ -82,6 +95,9 @@ class Installation:
     optimizers: list = field(default_factory=list, repr=False)
     trace_written: Optional[str] = None
     """Path of the role graph once written."""
+    summary_written: Optional[str] = None
+    """Path of the rank's summary once written."""
+    schedules: Optional[ScheduleHooks] = None
     routers: list = field(default_factory=list)
     """The ModelledTopk of every MoE router when moe.imbalance routes the tokens."""
     moe_log: Optional[Any] = None
@@ -152,7 +168,8 @@ class Installation:
         if waits and waits["count"]:
             summary["injected_waits"] = waits
         if path:
-            atomic_write_text(per_rank_path(path, summary["virtual_rank"]), json.dumps(summary, indent=1))
+            self.summary_written = per_rank_path(path, summary["virtual_rank"])
+            atomic_write_text(self.summary_written, json.dumps(summary, indent=1))
         values = [x for x in summary.get("losses", []) + summary.get("grad_norms", []) if x is not None]
         return all(math.isfinite(x) for x in values)
 
@@ -214,7 +231,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
         inst.routing = RoutingState(cfg.moe.model(), cfg.model.moe_expert_capacity_factor)
     if device == "cpu":
-        inst.runtime = CpuRuntime().activate()
+        inst.runtime = CpuRuntime(device=_device_properties(cfg.emulation.target_gpu)).activate()
     inst.execution = resolve_execution(cfg, device)
     if inst.execution == "fake":
         install_fake(inst)
@@ -224,7 +241,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     if cfg.trace.path:
         _install_recorder(inst, recorder)
     inst.faults = _compute_faults(cfg)
-    ScheduleHooks(inst.tracker, inst.recorder, inst.faults).install(inst._patches)
+    inst.schedules = ScheduleHooks(inst.tracker, inst.recorder, inst.faults)
+    inst.schedules.install(inst._patches)
     _install_model_hooks(inst)
     install_deepspeed(inst, lambda: inst.session)
     if not inst.virtual:
@@ -248,7 +266,8 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
         return inst.session
 
     inst.patch(dist, "init_process_group",
-               make_init_process_group(dist.init_process_group, cfg.emulation, on_session))
+               make_init_process_group(dist.init_process_group, cfg.emulation, on_session,
+                                       "cpu" if inst.runtime is not None else None))
     inst.patch(dist, "new_group", make_new_group(dist.new_group, session_of))
     inst.patch(dist, "broadcast_object_list",
                make_broadcast_object_list(dist.broadcast_object_list, session_of))
@@ -272,6 +291,7 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
     inst.patch(LanguageModule, "setup_embeddings_and_output_layer", make_setup_embeddings(
         LanguageModule.setup_embeddings_and_output_layer, session_of, lambda: cfg.train.seed))
+    install_megatron_lm(inst._patches, session_of)
     return inst
 
 

@@ -34,6 +34,8 @@ class ScheduleHooks:
                  faults: Optional[Any] = None) -> None:
         """`faults`: a faults/inject.ComputeFaults that slows this process's steps, or None."""
         self.tracker, self.recorder, self.faults = tracker, recorder, faults
+        self.iterations = 0
+        """Forward-backward passes run: the script's training iterations, whoever wrote its loop."""
         self._forwards: dict[int, int] = {}     # chunk -> forwards seen this iteration
         self._backwards: dict[int, int] = {}
         self._by_output: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (microbatch, chunk)
@@ -46,10 +48,9 @@ class ScheduleHooks:
             return
         patches.patch(schedules, "forward_step", self._wrap_forward(schedules.forward_step))
         patches.patch(schedules, "backward_step", self._wrap_backward(schedules.backward_step))
-        if self.recorder is not None:
-            getter = self._wrap_getter(schedules.get_forward_backward_func)
-            patches.patch(schedules, "get_forward_backward_func", getter)
-            patches.patch(pipeline_parallel, "get_forward_backward_func", getter)
+        getter = self._wrap_getter(schedules.get_forward_backward_func)
+        patches.patch(schedules, "get_forward_backward_func", getter)
+        patches.patch(pipeline_parallel, "get_forward_backward_func", getter)
 
     @contextlib.contextmanager
     def _span(self, phase: str, microbatch: int, chunk: int):
@@ -108,9 +109,12 @@ class ScheduleHooks:
 
             @functools.wraps(schedule)
             def forward_backward(*a, **k):
+                self.iterations += 1
                 self._forwards.clear()
                 self._backwards.clear()
                 self._by_output.clear()
+                if self.recorder is None:
+                    return schedule(*a, **k)
                 self.recorder.begin_iteration()
                 self.recorder.enter("forward_backward")
                 try:

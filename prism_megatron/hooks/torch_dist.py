@@ -22,30 +22,89 @@ from prism_megatron.comm.backend import BACKEND_NAME
 from prism_megatron.comm.ghost import GhostPolicy
 from prism_megatron.comm.session import PhysicalWorld, VirtualSession
 from prism_megatron.config.schema import ConfigError, EmulationConfig
+from prism_megatron.util import PHYSICAL_RANK_ENV, PHYSICAL_WORLD_SIZE_ENV
 
 
-def _physical_rendezvous(init_method, world_size, rank, store, timeout):
-    """(store, physical rank, physical size) of the processes as launched."""
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+"""The longest the physical processes wait for each other at init_process_group (the group's own
+timeout, when shorter, wins). Only the sandbox processes meet here, on one machine or a few."""
+
+
+def physical_from_env() -> Optional[tuple[int, int]]:
+    """(physical rank, physical process count) that `launch` recorded, or None outside `launch`."""
+    if PHYSICAL_WORLD_SIZE_ENV not in os.environ:
+        return None
+    return int(os.environ.get(PHYSICAL_RANK_ENV, "0")), int(os.environ[PHYSICAL_WORLD_SIZE_ENV])
+
+
+def _physical_rendezvous(init_method, world_size: int, rank: int, store, timeout: timedelta,
+                         emulation: EmulationConfig):
+    """(store, physical rank, physical size) of the processes as launched.
+
+    Checks before it waits: the number of processes the environment announces must be the number
+    of sandboxes, so a virtual WORLD_SIZE (8192) given to a plain process fails at once instead of
+    waiting for 8191 processes that will never come."""
+    launched = physical_from_env()
     if store is not None:
         return store, rank, world_size
-    if init_method is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launched is not None:  # under `launch`: RANK/WORLD_SIZE (and the call's arguments) are virtual
+        _check_virtual_args(world_size, rank, emulation, launched[0])
+        p_rank, p_size = launched
+    else:
+        p_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size in (-1, None) else world_size
+        p_rank = int(os.environ.get("RANK", "0")) if rank in (-1, None) else rank
+    sandboxes = len(emulation.sandbox_ranks)
+    if sandboxes and p_size != sandboxes:
+        raise ConfigError(
+            f"init_process_group: {p_size} physical process(es) announced (WORLD_SIZE or world_size) "
+            f"but {sandboxes} sandbox rank(s) {list(emulation.sandbox_ranks)}; give one "
+            "--prism-sandbox-ranks entry per process, or run the script under `prism-megatron launch`, "
+            "which presents the virtual world to it")
+    if p_size == 1:
         return dist.HashStore(), 0, 1  # one process: nobody to rendezvous with
-    store, rank, world_size = next(dist.rendezvous(init_method or "env://", rank, world_size,
-                                                   timeout=timeout))
+    wait = min(timeout, RENDEZVOUS_TIMEOUT)
+    try:
+        store, p_rank, p_size = next(dist.rendezvous(init_method or "env://", p_rank, p_size,
+                                                     timeout=wait))
+    except (RuntimeError, ValueError, dist.DistError) as err:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise ConfigError(
+            f"init_process_group: physical process {p_rank} of {p_size} did not meet the others at "
+            f"{init_method or where} within {wait.total_seconds():.0f} s ({err}); start all {p_size} "
+            "processes (e.g. `prism-megatron launch --nproc-per-node P -- SCRIPT ...`)") from None
     store.set_timeout(timeout)
-    return store, rank, world_size
+    return store, p_rank, p_size
+
+
+def _check_virtual_args(world_size: int, rank: int, emulation: EmulationConfig, p_rank: int) -> None:
+    """Under `launch`, a script passes on the virtual RANK/WORLD_SIZE it was given; other values
+    mean it thinks of a different world."""
+    n = emulation.virtual_world_size
+    if world_size not in (-1, None, n):
+        raise ConfigError(f"init_process_group(world_size={world_size}) but the virtual world has {n} "
+                          "ranks; pass WORLD_SIZE from the environment (launch sets it) or -1")
+    sandbox = emulation.sandbox_ranks
+    own = sandbox[p_rank] if p_rank < len(sandbox) else None
+    if rank not in (-1, None) and own is not None and rank != own:
+        raise ConfigError(f"init_process_group(rank={rank}) but this process is sandbox rank {own}; "
+                          "pass RANK from the environment (launch sets it) or -1")
 
 
 def make_init_process_group(original: Callable, emulation: EmulationConfig,
-                            on_session: Callable[[VirtualSession], None]) -> Callable:
-    """A replacement for `init_process_group` that builds the virtual default group."""
+                            on_session: Callable[[VirtualSession], None],
+                            device_type: Optional[str] = None) -> Callable:
+    """A replacement for `init_process_group` that builds the virtual default group.
+
+    `device_type`: where the sandbox's tensors live (`cpu` under the CPU runtime, whatever backend
+    the script asks for); None: CUDA for `nccl` (or no backend on a GPU machine), else CPU."""
 
     def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
                            timeout: Optional[timedelta] = None, world_size: int = -1, rank: int = -1,
                            store=None, group_name: str = "", pg_options=None, device_id=None,
                            **kwargs) -> None:
         timeout = timeout or timedelta(minutes=30)
-        store, p_rank, p_size = _physical_rendezvous(init_method, world_size, rank, store, timeout)
+        store, p_rank, p_size = _physical_rendezvous(init_method, world_size, rank, store, timeout,
+                                                     emulation)
         sandbox = tuple(emulation.sandbox_ranks) or tuple(range(p_size))
         if len(sandbox) != p_size:
             raise ConfigError(
@@ -54,8 +113,9 @@ def make_init_process_group(original: Callable, emulation: EmulationConfig,
         n = emulation.virtual_world_size
         wants_cuda = (backend or "").split(":")[-1] == "nccl" or (
             backend is None and torch.cuda.is_available())
+        device = device_type or ("cuda" if wants_cuda else "cpu")
         physical = PhysicalWorld(rank=p_rank, sandbox_ranks=sandbox, store=store,
-                                 device_type="cuda" if wants_cuda else "cpu", timeout=timeout)
+                                 device_type=device, timeout=timeout)
         session = VirtualSession(world_size=n, physical=physical,
                                  policy=GhostPolicy(name=emulation.ghost_policy,
                                                     seed=emulation.ghost_seed))

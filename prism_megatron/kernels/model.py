@@ -56,6 +56,8 @@ class GpuSpec:
     min_kernel_s: float = 2.5e-6
     host_launch_s: float = 6e-6
     """Host time of one eager op (Python, dispatcher, launch): bounds a launch-bound stream."""
+    compute_capability: tuple = (9, 0)
+    sm_count: int = 132
 
     def __post_init__(self) -> None:
         if self.memory_bandwidth_Bps <= 0 or not self.peak_flops:
@@ -68,7 +70,7 @@ GPU_SPECS = {
     "h100": GpuSpec("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
                     3.35e12, int(80e9)),
     "a100": GpuSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-                    2.039e12, int(80e9)),
+                    2.039e12, int(80e9), compute_capability=(8, 0), sm_count=108),
 }
 
 _FAMILY_OF_OP = {

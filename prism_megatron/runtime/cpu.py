@@ -6,6 +6,10 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
   buffers, optimizers) become CPU, through one `TorchFunctionMode` that rewrites device arguments and
   drops `pin_memory` (pinning needs CUDA); `tensor.type()` answers the CUDA type string
   ('torch.cuda.FloatTensor'), by which megatron's optimizers sort parameters;
+- `torch.cuda.is_available()` answers True and `device_count()` 1 (Megatron-LM's `initialize_megatron`
+  asserts the one and builds its parallel groups only when the other is positive), so a script sees
+  one device, which every redirection above maps to the CPU; our own code asks `Installation.device`;
+- `torch.cuda.get_device_properties/capability/name` describe the target GPU (`DeviceProperties`);
 - `torch.cuda.current_device/set_device/synchronize/empty_cache/nvtx`, streams and events (a CPU
   event measures host time with perf_counter, which on CPU is the device's own clock);
 - `Work.wait()` yields briefly after completing, so gloo's worker frees a finished operation's
@@ -16,6 +20,7 @@ megatron-core assumes CUDA in a few places; `CpuRuntime.activate()` redirects ex
   tensors draws from, so `get_cuda_rng_tracker().fork()` keeps its meaning;
 - `torch.cuda.memory_allocated/max_memory_allocated/memory_reserved/memory_stats` read the exact
   storage tracker (`runtime.memory.StorageTracker`); reserved equals allocated on CPU;
+- Megatron-LM's `megatron.legacy.fused_kernels.load` (which only asks nvcc its version) does nothing;
 - the MoE all-to-all dispatcher's split sizes reach torch as numpy arrays, as they do after the
   device-to-host copy on GPU.
 
@@ -134,11 +139,24 @@ class CpuStream:
 _DEFAULT_STREAM = CpuStream()
 
 
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What `torch.cuda.get_device_properties` answers on CPU: the GPU the job stands for
+    (`emulation.target_gpu`), since scripts pick kernels and checks by its architecture."""
+
+    name: str = "NVIDIA H200"
+    major: int = 9
+    minor: int = 0
+    total_memory: int = int(141e9)
+    multi_processor_count: int = 132
+
+
 @dataclass
 class CpuRuntime:
     """Activates the CPU stand-ins for megatron-core's CUDA assumptions (see module docstring)."""
 
     tracker: StorageTracker = field(default_factory=StorageTracker)
+    device: DeviceProperties = field(default_factory=DeviceProperties)
     settle_after_wait_s: float = 0.0005
     """After a communication `wait()`, yield this long so gloo's worker drops the finished work's
     buffers now (see `_settling_wait`); 0 turns it off. The prism backend's works settle the same
@@ -159,9 +177,15 @@ class CpuRuntime:
         cuda = torch.cuda
         tracker = self.tracker
         table: dict[str, Callable] = {
+            # A one-device machine, as far as CUDA-only code asks: Megatron-LM asserts
+            # is_available() and sets up model parallelism only when device_count() > 0.
+            "is_available": lambda: True,
             "current_device": lambda: 0,
             "set_device": lambda device: None,
             "device_count": lambda: 1,
+            "get_device_properties": lambda device=None: self.device,
+            "get_device_capability": lambda device=None: (self.device.major, self.device.minor),
+            "get_device_name": lambda device=None: self.device.name,
             "synchronize": lambda device=None: None,
             "empty_cache": lambda: None,
             "Event": CpuEvent,
@@ -225,6 +249,15 @@ class CpuRuntime:
         self._patch(mrandom, "_set_cuda_rng_state",
                     lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
         from megatron.core.transformer.moe import token_dispatcher
+
+        try:  # Megatron-LM's training code, where it is importable (prism-megatron launch)
+            from megatron.legacy import fused_kernels
+        except ImportError:
+            fused_kernels = None
+        if fused_kernels is not None:
+            # core_v0.16.1's loader compiles nothing: it asks nvcc for its version (CUDA_HOME,
+            # None under a CPU torch) and makes a build folder.
+            self._patch(fused_kernels, "load", lambda args=None: None)
 
         # On GPU the all-to-all split sizes become numpy arrays on their way to the host, which is
         # what torch's all_to_all_single binding accepts; on CPU they would stay tensors.

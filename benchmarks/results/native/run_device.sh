@@ -3,7 +3,7 @@
 # breakdown of one all-reduce (BREAKDOWN=1), the host time per ghost operation against NCCL
 # (benchmarks/ghost_op_cost.py, hot and cold; OPCOST=0 skips it), the 2-rank fidelity suite's
 # emulations (benchmarks/fidelity.py --no-real) of CONFIGS, and the GPT-175B-shaped rank of the
-# 8192-rank job (SCALE=1, benchmarks/emulate_scale.py). Run from the repository root with .whl/
+# 8192-rank job (SCALE=1, benchmarks/emulate_scale.py) and the EP64 MoE rank of one (MOE_SCALE=1). Run from the repository root with .whl/
 # carried and OUT set.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -36,5 +36,12 @@ if [ "${SCALE:-0}" = 1 ]; then  # the README's 8192-rank dense job, one sandbox
     train.global_batch_size=128 --device cuda --cluster dgx_h200 --sandbox ${SCALE_SANDBOX:-4711} \
     --json $OUT/emulate_scale-gpt175b.json > $OUT/emulate_scale-gpt175b.log 2>&1
   echo "scale rc=$? $(( $(date +%s) - s )) s"; grep -v -i warn $OUT/emulate_scale-gpt175b.log | tail -6
+fi
+if [ "${MOE_SCALE:-0}" = 1 ]; then  # the Mixtral-like EP64 rank of an 8192-rank job, one sandbox
+  s=$(date +%s)
+  timeout ${MOE_SCALE_S:-330} python3 benchmarks/emulate_scale.py \
+    --config benchmarks/results/scale-2026-12-03/config-moe-ep64-h200.yaml --device cuda --cluster dgx_h200 \
+    --sandbox ${SCALE_SANDBOX:-4711} --json $OUT/emulate_scale-moe-ep64.json > $OUT/emulate_scale-moe-ep64.log 2>&1
+  echo "moe scale rc=$? $(( $(date +%s) - s )) s"; grep -v -i warn $OUT/emulate_scale-moe-ep64.log | tail -6
 fi
 ls -la $OUT
