@@ -48,9 +48,10 @@ class ScheduleHooks:
             return
         patches.patch(schedules, "forward_step", self._wrap_forward(schedules.forward_step))
         patches.patch(schedules, "backward_step", self._wrap_backward(schedules.backward_step))
-        getter = self._wrap_getter(schedules.get_forward_backward_func)
-        patches.patch(schedules, "get_forward_backward_func", getter)
-        patches.patch(pipeline_parallel, "get_forward_backward_func", getter)
+        # each module's own binding is wrapped, so a getter the program wrapped itself stays in the chain
+        for module in (schedules, pipeline_parallel):
+            patches.patch(module, "get_forward_backward_func",
+                          self._wrap_getter(module.get_forward_backward_func))
 
     @contextlib.contextmanager
     def _span(self, phase: str, microbatch: int, chunk: int):
