@@ -255,12 +255,29 @@ def _cmd_config(args) -> int:
     return 0
 
 
+SCRIPT_COMMANDS = ("capture", "emulate", "run", "sweep", "moe-check")
+"""The subcommands that take the job as `-- SCRIPT ARGS` (config/job.py)."""
+
+
+def job_of(args, overrides: Optional[list[str]] = None):
+    """The job config of a subcommand: `-- SCRIPT ARGS` when given (with `--config` only if named:
+    the built-in default describes the built-in job), else the config file and overrides. The
+    capture chooses the ranks it runs, so a config's sandbox ranks are cleared."""
+    from prism_megatron.config.job import job_config
+
+    overrides = list(args.overrides if overrides is None else overrides)
+    script = getattr(args, "script", None)
+    config_file = args.config if script else _config_file(args.config)
+    cfg = job_config(["emulation.sandbox_ranks=[]", *overrides], config_file, script)
+    return cfg
+
+
 def _cmd_capture(args) -> int:
     from prism_megatron.capture.run import Capture, CaptureFailed, write_summary
     from prism_megatron.graph.check import GraphFileError
 
-    # The capture chooses the ranks it runs: a config's sandbox ranks do not apply.
-    cfg = load_config(["emulation.sandbox_ranks=[]", *args.overrides], _config_file(args.config))
+    cfg = job_of(args)
+    cfg.emulation.sandbox_ranks = []  # the capture chooses the ranks it runs
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: expected 1 or more slices at once")
     try:
@@ -442,8 +459,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     if hasattr(signal, "SIGPIPE"):  # `prism-megatron config --keys | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    script = None
+    if "--" in argv:  # `-- SCRIPT ARGS`: the job, as torchrun takes it (config/job.py)
+        cut = argv.index("--")
+        argv, script = argv[:cut], argv[cut + 1:]
+        if argv[:1] and argv[0] not in SCRIPT_COMMANDS:
+            print(f"prism-megatron: error: {argv[0]} takes no training script after --; the commands that "
+                  f"do: {', '.join(SCRIPT_COMMANDS)}, and launch", file=sys.stderr)
+            return 2
+        if not script:
+            print("prism-megatron: error: nothing after --; give the training script and its arguments "
+                  "(-- pretrain_gpt.py --num-layers 16 ...)", file=sys.stderr)
+            return 2
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    args.script = script
     # KEY=VALUE overrides may follow options (`--out D cluster=x`); argparse leaves those over.
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]

@@ -32,40 +32,11 @@ from typing import Optional
 
 
 def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
-    """(parsed prism and known Megatron flags, the `--prism-*` tokens, the script's own tokens).
+    """(parsed prism and known Megatron flags, the `--prism-*` tokens, the script's own tokens);
+    config/flags.py `split_prism_tokens`."""
+    from prism_megatron.config.flags import split_prism_tokens
 
-    The `--prism-*` options and their values are taken out by the parser's own table of options
-    (how many values each takes), in order; every other token stays, in order."""
-    from prism_megatron.config.flags import (
-        OneLineParser,
-        add_megatron_args,
-        add_prism_args,
-    )
-
-    prism = OneLineParser(prog="prism-megatron launch", allow_abbrev=False, add_help=False)
-    add_prism_args(prism)
-    actions = {opt: a for a in prism._actions for opt in a.option_strings}
-    removed, rest, i = [], [], 0
-    while i < len(argv):
-        token = argv[i]
-        action = actions.get(token.split("=", 1)[0])
-        if action is None:
-            rest.append(token)
-            i += 1
-            continue
-        taken = 1
-        if "=" not in token and action.nargs != 0:
-            if action.nargs in ("+", "*"):
-                while i + taken < len(argv) and not argv[i + taken].startswith("-"):
-                    taken += 1
-            else:
-                taken += 1 if action.nargs is None else int(action.nargs)
-        removed += argv[i:i + taken]
-        i += taken
-    both = OneLineParser(prog="prism-megatron launch", allow_abbrev=False, add_help=False)
-    add_megatron_args(add_prism_args(both))
-    known, _ = both.parse_known_args(argv)
-    return known, removed, rest
+    return split_prism_tokens(argv)
 
 
 def install_from_argv(argv: Optional[list[str]] = None):
@@ -135,10 +106,11 @@ def run(script: str, argv: list[str]) -> int:
     install_mod.set_launched(inst)
     saved = sys.argv
     sys.argv = [str(path), *rest]
-    code = 0
+    code = 1  # until the script ends without an error: a failed one writes no summary and no graph
     try:
         runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as done:
+        code = 0
+    except SystemExit as done:  # sys.exit, or the hooks' stop after emulation.stop_after iterations
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     finally:
         sys.argv = saved
@@ -147,19 +119,19 @@ def run(script: str, argv: list[str]) -> int:
             if code == 0:
                 _write_launch_summary(inst, str(path), split_args(argv)[0].prism_summary_json)
         finally:
-            inst.uninstall()
+            inst.uninstall(complete=code == 0)
     return code
 
 
 def _write_launch_summary(inst, script: str, path: Optional[str]) -> None:
     """`--prism-summary-json PATH` for a script that does not write one itself (Megatron-LM's
-    `pretrain_gpt.py`): what the hooks saw of the rank (iterations: forward-backward passes),
-    with its peak memory and communication counts (`Installation.write_summary`)."""
+    `pretrain_gpt.py`): what the hooks saw of the rank (its training iterations, each one's wall time
+    and the backend's host time in it: hooks/iterations.py), with its peak memory and communication
+    counts (`Installation.write_summary`)."""
     if not path or inst.summary_written is not None or inst.session is None:
         return
     summary = {"script": script, "virtual_world_size": inst.session.world_size,
-               "virtual_rank": inst.session.virtual_rank,
-               "iterations": inst.schedules.iterations if inst.schedules is not None else 0}
+               "virtual_rank": inst.session.virtual_rank, **inst.iterations.figures()}
     inst.write_summary(summary, path)
 
 

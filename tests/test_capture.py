@@ -267,7 +267,7 @@ def test_exports_of_the_captured_graph(real_and_captured, tmp_path):
 
 WRAPPER = """
 import os, pathlib, runpy, sys
-rank = sys.argv[sys.argv.index("--prism-sandbox-ranks") + 1]
+rank = os.environ["RANK"]  # launch presents the slice's virtual rank
 marker = pathlib.Path(os.environ["PRISM_TEST_MARKER"] + rank)
 fail = os.environ.get("PRISM_TEST_ALWAYS") or not marker.exists()
 if rank == os.environ["PRISM_TEST_FAIL_RANK"] and fail:
@@ -291,24 +291,29 @@ def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatc
                  "train.global_batch_size=4", "train.micro_batch_size=2", "train.device=cpu"]
     out = tmp_path / "cap"
     logs = []
-    first = Capture(load_config(overrides), str(out), workers=2, script=script, log=logs.append).run()
+    def config(*more):
+        cfg = load_config([*overrides, *more])
+        cfg.train.script = str(script)  # the job: a script that fails once on rank 2
+        return cfg
+
+    first = Capture(config(), str(out), workers=2, log=logs.append).run()
     assert (first.slices_run, first.retries, first.roles_total) == (2, 1, 2)
     assert any("rank 2 failed" in line for line in logs)
     (out / "slices" / "rank2.prism").unlink()
-    again = Capture(load_config(overrides), str(out), workers=2, script=script).run()
+    again = Capture(config(), str(out), workers=2).run()
     assert (again.slices_run, again.slices_reused, again.retries) == (1, 1, 0)
     assert load_graph(again.graph_path).roles.keys() == load_graph(first.graph_path).roles.keys()
     marker = out / "config.yaml"  # a capture by a version without trace.keep_iterations resumes
     marker.write_text("".join(line for line in marker.read_text().splitlines(True)
                               if "keep_iterations" not in line))
-    resumed = Capture(load_config(overrides), str(out), workers=2, script=script).run()
+    resumed = Capture(config(), str(out), workers=2).run()
     assert (resumed.slices_run, resumed.slices_reused) == (0, 2)
     with pytest.raises(ConfigError, match="another config"):
-        Capture(load_config([*overrides, "model.hidden_size=32"]), str(out), script=script).run()
+        Capture(config("model.hidden_size=32"), str(out)).run()
     monkeypatch.setenv("PRISM_TEST_ALWAYS", "1")
     (out / "slices" / "rank2.prism").unlink()
     with pytest.raises(CaptureFailed, match=r"rank 2 .* failed twice .*rank2\.log"):
-        Capture(load_config(overrides), str(out), workers=2, script=script, log=logs.append).run()
+        Capture(config(), str(out), workers=2, log=logs.append).run()
     assert not (out / "slices" / "rank2.prism").exists()
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import yaml
 
 from prism_megatron.capture.plan import RoleClass, plan_classes
+from prism_megatron.config.job import TrainingJob
 from prism_megatron.config.loader import to_yaml
 from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.graph.check import GraphFileError, check_graph
@@ -43,16 +44,6 @@ from prism_megatron.graph.model import ExecutionGraph, RoleGraph, StringTable, s
 from prism_megatron.trace.iterations import HOST_BOUND_WARN_SHARE
 from prism_megatron.util import atomic_write_text, job_env
 from prism_megatron.world import Role, VirtualWorld
-
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
-DEEPSPEED_EXAMPLE = REPO / "examples" / "deepspeed_train.py"
-
-
-def script_for(framework: str) -> Path:
-    """The training script of a job of `train.framework` (a slice and a sandbox run it)."""
-    return DEEPSPEED_EXAMPLE if framework == "deepspeed" else EXAMPLE
-
 
 class CaptureFailed(RuntimeError):
     """A slice failed twice; the message names it and its log."""
@@ -137,12 +128,11 @@ class Capture:
 
     def __init__(self, cfg: PrismConfig, out_dir: str, *, workers: Optional[int] = None,
                  device: Optional[str] = None, timeout_s: float = 1800.0,
-                 script: Optional[Path] = None,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> None:
-        """`script`: the training script every slice runs (prism `--prism-*` flags; default: the
-        repository's example for `train.framework`)."""
+        """Every slice runs the config's job (`train.script`, else the built-in example of
+        `train.framework`; config/job.py) under `prism-megatron launch`."""
         self.cfg, self.out = cfg, Path(out_dir)
-        self.script = Path(script) if script is not None else script_for(cfg.train.framework)
+        self.job = TrainingJob.of(cfg.train)
         self.world = world_of(cfg)
         self.microbatches = microbatches_of(cfg, self.world)
         self.device = device or cfg.train.device
@@ -177,21 +167,23 @@ class Capture:
             return False
         if _job_key(str(g.meta.get("config", ""))) != self.job_key or s.role not in g.roles:
             return False
+        if _shape(g.world) != _shape(self.world):  # the script built other groups than the config says
+            raise CaptureFailed(
+                f"slice rank {s.rank}: the job built a world of {_shape(g.world)}, but the capture's "
+                f"config says {_shape(self.world)}; give the script's parallel flags (or parallel.* "
+                "overrides) that match what it builds")
         s.graph, s.strings = g.roles[s.role], g.strings
         s.host_bound = g.meta.get("host_bound")
         return True
 
     def _command(self, s: Slice) -> list[str]:
-        if not self.script.is_file():
-            raise ConfigError(f"{self.script} not found; capture runs the repository's example, so "
-                              "use a checkout installed with `pip install -e .`")
         config = self.out / "config.yaml"
-        return [sys.executable, str(self.script), "--prism-config", str(config),
-                "--prism-sandbox-ranks", str(s.rank), "--prism-trace-path", str(s.path),
-                "--prism-trace-selection", "node-median"]
+        return self.job.command(["--prism-config", str(config.resolve()), "--prism-sandbox-ranks", str(s.rank),
+                                 "--prism-trace-path", str(s.path.resolve()),
+                                 "--prism-trace-selection", "node-median"])
 
     def _env(self, slot: int) -> dict:
-        env = job_env(cpu=not self.gpus)
+        env = self.job.env(job_env(cpu=not self.gpus))
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
         return env
@@ -210,7 +202,7 @@ class Capture:
                         s.path.unlink()
                     logf = open(s.path.with_suffix(".log"), "w")
                     proc = subprocess.Popen(self._command(s), stdout=logf, stderr=subprocess.STDOUT,
-                                            env=self._env(slot), cwd=str(REPO))
+                                            env=self._env(slot), cwd=str(self.job.workdir))
                     running[slot] = (proc, s, time.perf_counter(), logf)
                 time.sleep(0.05)
                 for slot, (proc, s, t0, logf) in list(running.items()):
@@ -374,6 +366,17 @@ def _job_key(config_yaml: str) -> Optional[dict]:
     except (yaml.YAMLError, TypeError, KeyError, AttributeError):
         return None
     return data
+
+
+def _shape(world: VirtualWorld) -> str:
+    """The world's sizes, as the capture compares them (an expert TP size of None is the TP size)."""
+    text = f"{world.world_size} ranks, TP{world.tp} PP{world.pp}"
+    for name in ("cp", "ep"):
+        if getattr(world, name) > 1:
+            text += f" {name.upper()}{getattr(world, name)}"
+    if (world.etp or world.tp) != world.tp:
+        text += f" ETP{world.etp}"
+    return text + (f" VPP{world.vpp}" if world.vpp else "") + f", ranks ordered {world.order}"
 
 
 def _gpu_count() -> int:

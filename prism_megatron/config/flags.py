@@ -28,8 +28,8 @@ from prism_megatron.config.schema import (
 
 # --prism-<name> -> emulation.<field>; help comes from the field docstring.
 PRISM_FLAGS = ("virtual_world_size", "sandbox_ranks", "ghost_policy", "ghost_seed", "gpus_per_node", "clock",
-               "delay_plan", "execution", "target_gpu")
-_STR_FLAGS = ("ghost_policy", "clock", "delay_plan", "execution", "target_gpu")
+               "delay_plan", "execution", "target_gpu", "stop_after")
+_STR_FLAGS = ("ghost_policy", "clock", "delay_plan", "execution", "target_gpu", "stop_after")
 # --prism-trace-<name> -> trace.<field>
 TRACE_FLAGS = {"path": str, "granularity": str, "timing": str, "selection": str, "iteration": int}
 # --prism-moe-<name> -> moe.<field>
@@ -135,6 +135,38 @@ def _add_prism_group(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--prism-summary-json", default=None,
                        help="write a JSON summary of the run to this path (atomically)")
     return parser
+
+
+def split_prism_tokens(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(parsed prism and known Megatron flags, the `--prism-*` tokens, the script's own tokens) of a
+    training script's command line.
+
+    The `--prism-*` options and their values are taken out by the parser's own table of options
+    (how many values each takes), in order; every other token stays, in order."""
+    prism = OneLineParser(prog="prism-megatron launch", allow_abbrev=False, add_help=False)
+    _add_prism_group(prism)
+    actions = {opt: a for a in prism._actions for opt in a.option_strings}
+    removed, rest, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        action = actions.get(token.split("=", 1)[0])
+        if action is None:
+            rest.append(token)
+            i += 1
+            continue
+        taken = 1
+        if "=" not in token and action.nargs != 0:
+            if action.nargs in ("+", "*"):
+                while i + taken < len(argv) and not argv[i + taken].startswith("-"):
+                    taken += 1
+            else:
+                taken += 1 if action.nargs is None else int(action.nargs)
+        removed += argv[i:i + taken]
+        i += taken
+    both = OneLineParser(prog="prism-megatron launch", allow_abbrev=False, add_help=False)
+    add_megatron_args(_add_prism_group(both))
+    known, _ = both.parse_known_args(argv)
+    return known, removed, rest
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -74,9 +74,18 @@ class EmulationConfig:
     """GPU a fake run predicts: h200 (calibrated on the H200 machine, shipped), h100 or a100
     (roofline from their documented peaks), or a file written by `prism-megatron calibrate --kernels`."""
 
+    stop_after: int = 0
+    """End the training script from the hooks once this many iterations have run (the N-th optimizer
+    step done; at the start of the next forward-backward pass, which never runs), whatever its own
+    count (Megatron-LM's `--train-iters`); 0: the script's own count. Capture slices and emulation
+    sandboxes of a script given after `--` stop after `SCRIPT_ITERATIONS` unless this is set."""
+
     def __post_init__(self) -> None:
         _require_positive("emulation", virtual_world_size=self.virtual_world_size,
                           gpus_per_node=self.gpus_per_node)
+        if not isinstance(self.stop_after, int) or self.stop_after < 0:
+            raise ConfigError(f"emulation.stop_after={self.stop_after!r}: expected an iteration count "
+                              ">= 0 (0: the script's own count)")
         if self.execution not in EXECUTIONS:
             raise ConfigError(f"emulation.execution={self.execution!r} is unknown; expected one of "
                               f"{', '.join(EXECUTIONS)}")
@@ -265,6 +274,19 @@ class TrainConfig:
     device: str = "auto"
     """Where the sandbox computes: cuda if available (auto), cpu (gloo + CPU runtime), or cuda."""
 
+    script: Optional[str] = None
+    """The training script of the job (`prism-megatron capture|emulate|run|sweep|moe-check -- SCRIPT
+    ARGS`; slices and sandboxes run it under `prism-megatron launch`); None: the built-in example of
+    `framework` (examples/pretrain_gpt.py, examples/deepspeed_train.py), driven by this config."""
+
+    script_args: List[str] = field(default_factory=list)
+    """The script's own arguments (Megatron-LM's flags), without the `--prism-*` ones. The model,
+    parallel and train keys prism knows a flag for are read from them (config/job.py)."""
+
+    workdir: Optional[str] = None
+    """Directory the script runs in (its relative paths: data, tokenizer); None: the repository for
+    the built-in examples."""
+
     def __post_init__(self) -> None:
         _require_positive("train", micro_batch_size=self.micro_batch_size,
                           global_batch_size=self.global_batch_size, iters=self.iters)
@@ -414,6 +436,12 @@ class PrismConfig:
             raise ConfigError("emulation.clock=realtime needs a virtual world, emulation.delay_plan and "
                               "trace.path (the recorder places the waits); run `prism-megatron emulate "
                               "--clock realtime`, which sets all three")
+
+    def iterations_run(self) -> int:
+        """Training iterations the job runs under the hooks: its own count, or emulation.stop_after
+        where that ends it earlier."""
+        stop = self.emulation.stop_after
+        return min(stop, self.train.iters) if stop else self.train.iters
 
     def check_world(self, world_size: Optional[int]) -> None:
         """Validate the sizes against a world of `world_size` ranks (None: physical, not known yet)."""

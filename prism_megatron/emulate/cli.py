@@ -57,7 +57,8 @@ def emulate_command(args) -> int:
 
     cluster, calibration = _cluster(args.overrides)
     summary = Emulation(args.graph, args.out, _specs(args.sandbox, []), cluster, calibration,
-                        device=args.device, clock=args.clock, pace=_pace(args.pace), faults=args.faults).run()
+                        device=args.device, clock=args.clock, pace=_pace(args.pace), faults=args.faults,
+                        script_tokens=args.script).run()
     _print(summary)
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
@@ -66,8 +67,7 @@ def emulate_command(args) -> int:
 
 def run_command(args) -> int:
     from prism_megatron.capture.run import Capture
-    from prism_megatron.cli import _config_file
-    from prism_megatron.config import load_config
+    from prism_megatron.cli import job_of
     from prism_megatron.emulate.run import Emulation
 
     sim = [o for o in args.overrides if o.startswith(SIM_PREFIXES)]
@@ -75,7 +75,7 @@ def run_command(args) -> int:
     cluster, calibration = _cluster(sim)
     # the config file's sandbox ranks belong to its own world size; the sandboxes come from --sandbox
     # or an emulation.sandbox_ranks override (default: the first stage)
-    cfg = load_config(["emulation.sandbox_ranks=[]", *job], _config_file(args.config))
+    cfg = job_of(args, job)
     specs = _specs(args.sandbox, list(cfg.emulation.sandbox_ranks))
     cfg.emulation.sandbox_ranks = []  # the capture chooses its own ranks
     if args.workers is not None and args.workers < 1:

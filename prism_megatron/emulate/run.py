@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +28,8 @@ from typing import Optional
 import numpy as np
 import yaml
 
-from prism_megatron.capture.run import REPO, script_for
-from prism_megatron.config.schema import ConfigError
+from prism_megatron.config.job import TrainingJob
+from prism_megatron.config.schema import ConfigError, TrainConfig
 from prism_megatron.emulate.holds import Hold, holds, write_plan
 from prism_megatron.emulate.sandbox import direct_peers, resolve_sandbox
 from prism_megatron.graph import load_graph
@@ -63,8 +63,9 @@ class Emulation:
     calibration: Optional[object] = None
     device: Optional[str] = None
     """Where sandboxes run (default: the device the graph was captured for)."""
-    script: Optional[Path] = None
-    """The training script (default: the repository's example for the job's train.framework)."""
+    script_tokens: Optional[list[str]] = None
+    """`SCRIPT ARGS` the sandboxes run instead of the job the graph was captured from (the same job
+    elsewhere: another checkout, another machine's paths); None: the graph's job (config/job.py)."""
     timeout_s: float = 3600.0
     trace_ranks: list[int] = field(default_factory=list)
     """Ranks whose simulated timeline goes to `<out>/emulation.trace.json` (default: the sandboxes)."""
@@ -106,7 +107,7 @@ class Emulation:
                               "and its native backend was built without nvcc: set CUDA_HOME to the CUDA "
                               f"toolkit and remove {native.build_dir()} to rebuild it, or run with --pace off "
                               "and --clock virtual")
-        job = text = _with_faults(text, self.faults)
+        job = text = _with_faults(_with_script(text, self.script_tokens), self.faults)
         if paced:  # the ghost-only replay's holds: what a collective of this rank lasts at scale
             first = self._simulator(graph, cost, []).run(causes=True)
             job = _with_holds(text, {r: holds(first, r, graph.roles[graph.world.role(r)]) for r in ranks},
@@ -251,14 +252,13 @@ class Emulation:
             raise ConfigError(f"{self.graph_path} holds no job config; capture it again with this version")
         timed: dict[int, int] = {}
         graphs = run_sandboxes(text, ranks, out, device=self.device or _device_of(text),
-                               script=self.script or script_for(_framework_of(text)),
                                timeout_s=self.timeout_s, timed=timed, pooled=pooled, meta=self._meta)
         self._timed = timed
         return graphs
 
 
 def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
-                  script: Optional[Path] = None, timeout_s: float = 3600.0,
+                  timeout_s: float = 3600.0,
                   timed: Optional[dict[int, int]] = None,
                   pooled: Optional[dict[int, list[int]]] = None,
                   meta: Optional[dict[int, dict]] = None) -> dict[int, tuple]:
@@ -269,28 +269,25 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
     rank -> the indices of every iteration they were pooled from (the timed one alone if none), `meta`
     rank -> its graph's meta."""
     out.mkdir(parents=True, exist_ok=True)
-    script = script or script_for(_framework_of(config_yaml))
     config = out / "config.yaml"
     job_cfg = yaml.safe_load(config_yaml)
     job_cfg.setdefault("trace", {})["keep_iterations"] = True  # the realtime check, iteration by iteration
+    job_cfg.setdefault("train", {})["device"] = device
     atomic_write_text(str(config), yaml.safe_dump(job_cfg, sort_keys=False))
-    trace = out / "rank{rank}.prism"
+    job = TrainingJob.of(TrainConfig(**job_cfg["train"]))
+    trace = out.resolve() / "rank{rank}.prism"
     for r in ranks:
         Path(str(trace).replace("{rank}", str(r))).unlink(missing_ok=True)
         Path(durations_path(str(trace).replace("{rank}", str(r)))).unlink(missing_ok=True)
-    job = [str(script), "--prism-config", str(config), "--prism-sandbox-ranks", *map(str, ranks),
-           "--prism-trace-path", str(trace), "--prism-trace-selection", "node-median", "--device", device,
-           "--prism-summary-json", str(out / "summary{rank}.json")]
-    if len(ranks) > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(ranks)),
-               "--master-port", str(free_port()), *job]
-    else:
-        cmd = [sys.executable, *job]
-    env = job_env(cpu=device == "cpu")
+    cmd = job.command(["--prism-config", str(config.resolve()), "--prism-sandbox-ranks", *map(str, ranks),
+                       "--prism-trace-path", str(trace), "--prism-trace-selection", "node-median",
+                       "--prism-summary-json", str(out.resolve() / "summary{rank}.json")],
+                      nproc=len(ranks), master_port=free_port())
+    env = job.env(job_env(cpu=device == "cpu"))
     log = out / "run.log"
     with open(log, "w") as handle:
         try:
-            rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+            rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(job.workdir),
                                 timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -312,6 +309,24 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
         if meta is not None:
             meta[r] = dict(g.meta)
     return graphs
+
+
+def _with_script(config_yaml: str, tokens: Optional[list[str]]) -> str:
+    """The job config with its script replaced by `tokens` (SCRIPT ARGS), read as `capture` reads
+    them; the job's shape must stay the graph's (the sandbox graphs are checked against it)."""
+    if not tokens:
+        return config_yaml
+    from prism_megatron.config.job import job_config
+    from prism_megatron.config.loader import to_yaml
+
+    base = yaml.safe_load(config_yaml)
+    base["train"].update(script=None, script_args=[], workdir=None)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
+        yaml.safe_dump(base, handle, sort_keys=False)
+    try:
+        return to_yaml(job_config([], handle.name, tokens))
+    finally:
+        Path(handle.name).unlink(missing_ok=True)
 
 
 def _with_faults(config_yaml: str, faults: Optional[str]) -> str:
@@ -416,10 +431,6 @@ def _train_field(config_yaml: str, key: str, default: str) -> str:
         return str((cfg.get("train") or {}).get(key) or default)
     except (yaml.YAMLError, AttributeError):
         return default
-
-
-def _framework_of(config_yaml: str) -> str:
-    return _train_field(config_yaml, "framework", "megatron")
 
 
 def _device_of(config_yaml: str) -> str:

@@ -256,6 +256,8 @@ class _EngineHooks:
     def _forward(self, original):
         @functools.wraps(original)
         def forward(*args, **kwargs):
+            if self.microbatch == 0 and self.inst.iterations is not None:
+                self.inst.iterations.begin()
             if self.microbatch == 0 and self.recorder is not None:
                 self.recorder.begin_iteration()
             previous = self._phase("forward")

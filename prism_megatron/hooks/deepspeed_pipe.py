@@ -58,6 +58,8 @@ class PipeHooks:
                 data_iter = itertools.chain([first], data_iter)
                 del first, inputs
             self.forwards = self.backwards = 0
+            if self.hooks.inst.iterations is not None:
+                self.hooks.inst.iterations.begin()
             if self.recorder is not None:
                 self.recorder.begin_iteration()
             return original(data_iter, *args, **kwargs)

@@ -38,6 +38,7 @@ from prism_megatron.comm.session import VirtualSession
 from prism_megatron.config.schema import ConfigError, PrismConfig
 from prism_megatron.hooks.deepspeed import install_deepspeed
 from prism_megatron.hooks.fake import fake_summary, install_fake, resolve_execution
+from prism_megatron.hooks.iterations import IterationCounter
 from prism_megatron.hooks.megatron import make_initialize_model_parallel, make_setup_embeddings
 from prism_megatron.hooks.megatron_lm import install_megatron_lm
 from prism_megatron.hooks.schedules import ScheduleHooks
@@ -98,6 +99,8 @@ class Installation:
     summary_written: Optional[str] = None
     """Path of the rank's summary once written."""
     schedules: Optional[ScheduleHooks] = None
+    iterations: Optional[IterationCounter] = None
+    """The script's training iterations as the hooks see them; ends it after emulation.stop_after."""
     routers: list = field(default_factory=list)
     """The ModelledTopk of every MoE router when moe.imbalance routes the tokens."""
     moe_log: Optional[Any] = None
@@ -185,12 +188,15 @@ class Installation:
         self.trace_written = write_role_graph(self)
         return self.trace_written
 
-    def uninstall(self) -> None:
+    def uninstall(self, complete: bool = True) -> None:
+        """Restore everything; with `complete` (the script ended without an error) write the role
+        graph first, if it has not been written yet."""
         if self._uninstalled:  # a launched script's own uninstall, then the launcher's
             return
         self._uninstalled = True
         try:
-            self.write_trace()
+            if complete:
+                self.write_trace()
         finally:
             for exit_ in reversed(self._exits):
                 exit_()
@@ -241,7 +247,11 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
     if cfg.trace.path:
         _install_recorder(inst, recorder)
     inst.faults = _compute_faults(cfg)
-    inst.schedules = ScheduleHooks(inst.tracker, inst.recorder, inst.faults)
+    inst.iterations = IterationCounter(
+        cfg.emulation.stop_after,
+        backend_host_s=lambda: inst.session.log.host_s if inst.session is not None else None,
+        synchronize=torch.cuda.synchronize if device == "cuda" else None)
+    inst.schedules = ScheduleHooks(inst.tracker, inst.recorder, inst.faults, inst.iterations)
     inst.schedules.install(inst._patches)
     _install_model_hooks(inst)
     install_deepspeed(inst, lambda: inst.session)

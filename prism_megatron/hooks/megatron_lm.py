@@ -1,5 +1,7 @@
 """Thin wrappers on Megatron-LM's training loop (`megatron.training`, not megatron-core), installed
-where it is importable (`prism-megatron launch -- pretrain_gpt.py ...`).
+where it is importable (`prism-megatron launch -- pretrain_gpt.py ...`). One more, not about ghosts:
+rank 0's start-up build of the dataset helpers is skipped where they come compiled
+(`_compile_helpers_unless_built`).
 
 In Megatron-LM only tensor-parallel rank 0 loads data: it builds the datasets and the iterators
 (`build_train_valid_test_data_iterators`), sends the do-train/valid/test flags from global rank 0,
@@ -81,13 +83,32 @@ def _with_rank0_flags(function: Callable, session_of: Callable[[], Optional[Virt
     return wrapper
 
 
+def _compile_helpers_unless_built(original: Callable) -> Callable:
+    """Megatron-LM's global rank 0 compiles the dataset index helpers with `make` in
+    megatron/core/datasets at start-up, and exits when that fails. The megatron-core wheel ships them
+    compiled (`helpers_cpp`) and without the Makefile, so there `make` fails and rank 0 of a plain
+    run exits before training; where the compiled module imports, there is nothing to build."""
+
+    @functools.wraps(original)
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            return original()
+        return None
+
+    return compile_helpers
+
+
 def install_megatron_lm(patches: PatchSet, session_of: Callable[[], Optional[VirtualSession]]) -> bool:
     """Wrap Megatron-LM's data-loading entry points; False when megatron.training is absent."""
     try:
         from megatron.core import parallel_state
+        from megatron.core.datasets import utils as dataset_utils
         from megatron.training import training, utils
     except ImportError:
         return False
+    patches.patch(dataset_utils, "compile_helpers", _compile_helpers_unless_built(dataset_utils.compile_helpers))
     patches.patch(training, "build_train_valid_test_data_iterators", _with_rank0_flags(_as_data_source(
         training.build_train_valid_test_data_iterators, parallel_state, session_of), session_of))
     patches.patch(utils, "get_batch_on_this_tp_rank", _as_data_source(

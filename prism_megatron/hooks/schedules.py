@@ -5,6 +5,8 @@ through.
 - The memory tracker learns the phase (forward allocations are activations, the rest temporaries).
 - The recorder, when there is one, gets one span per forward and per backward of each microbatch and
   model chunk (virtual stage), and an iteration mark each time the forward-backward function runs.
+- The installation's iteration counter (hooks/iterations.py) counts each training pass, times it,
+  and ends the script after `emulation.stop_after` of them.
 - An injected compute fault on this process (faults.inject) stretches each step (faults/inject.py).
   The backward of a microbatch is matched to its forward by the output tensor the schedule hands back.
 """
@@ -16,6 +18,7 @@ import functools
 import time
 from typing import Any, Optional
 
+from prism_megatron.hooks.iterations import IterationCounter
 from prism_megatron.runtime.memory import StorageTracker
 from prism_megatron.runtime.patching import PatchSet
 from prism_megatron.trace.recorder import Recorder
@@ -31,11 +34,11 @@ class ScheduleHooks:
     """State shared by the wrapped schedule functions of one installation."""
 
     def __init__(self, tracker: Optional[StorageTracker], recorder: Optional[Recorder],
-                 faults: Optional[Any] = None) -> None:
-        """`faults`: a faults/inject.ComputeFaults that slows this process's steps, or None."""
+                 faults: Optional[Any] = None, counter: Optional[IterationCounter] = None) -> None:
+        """`faults`: a faults/inject.ComputeFaults that slows this process's steps, or None;
+        `counter`: the installation's training iterations (hooks/iterations.py)."""
         self.tracker, self.recorder, self.faults = tracker, recorder, faults
-        self.iterations = 0
-        """Forward-backward passes run: the script's training iterations, whoever wrote its loop."""
+        self.counter = counter or IterationCounter()
         self._forwards: dict[int, int] = {}     # chunk -> forwards seen this iteration
         self._backwards: dict[int, int] = {}
         self._by_output: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (microbatch, chunk)
@@ -110,7 +113,8 @@ class ScheduleHooks:
 
             @functools.wraps(schedule)
             def forward_backward(*a, **k):
-                self.iterations += 1
+                if not k.get("forward_only"):  # a training iteration (evaluation is forward-only)
+                    self.counter.begin()
                 self._forwards.clear()
                 self._backwards.clear()
                 self._by_output.clear()

@@ -232,7 +232,7 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
     fake on this CPU, and add the module table to the kernel calibration at `calibration_path` (made
     by `calibrate --kernels` on this machine: its launch figure is the model's). Returns the table.
     `keep`: a folder for the jobs' files (default: a new temporary one)."""
-    from prism_megatron.capture.run import script_for
+    from prism_megatron.config.job import example_for
     from prism_megatron.config import load_config
     from prism_megatron.config.loader import to_yaml
     from prism_megatron.util import atomic_write_text
@@ -257,7 +257,7 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
         calibration["host_figures"].update(host_figures(torch), previous=before)
         launch_s = calibration["host_figures"]["host_launch_s"]
         log(f"host figures here: launch {launch_s * 1e6:.1f} us (was {before['host_launch_s'] * 1e6:.1f})")
-    script = str(script_for("megatron"))
+    script = str(example_for("megatron"))
     work = Path(keep or tempfile.mkdtemp(prefix="prism-host-"))
     work.mkdir(parents=True, exist_ok=True)
     # the fake jobs read this host's launch figures from a copy: the calibration itself is replaced

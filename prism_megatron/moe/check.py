@@ -48,7 +48,8 @@ def rank_tokens(cfg: PrismConfig, world: VirtualWorld) -> np.ndarray:
     local = experts // ep
     tokens = t.micro_batch_size * m.seq_length // (p.tp if p.sequence_parallel else 1) // p.cp
     microbatches = t.global_batch_size // (t.micro_batch_size * world.dp)
-    iteration = max(0, t.iters - 2) if t.iters >= 2 else 0  # the recorded (last full) iteration
+    iterations = cfg.iterations_run()
+    iteration = max(0, iterations - 2) if iterations >= 2 else 0  # the recorded (last full) iteration
     per_stage = m.num_layers // p.pp
     cache: dict[tuple, np.ndarray] = {}
 
@@ -157,9 +158,8 @@ def moe_check_command(args) -> int:
     from pathlib import Path
 
     from prism_megatron.capture.run import world_of
-    from prism_megatron.cli import _config_file
+    from prism_megatron.cli import job_of
     from prism_megatron.comm.calibrate import parse_size
-    from prism_megatron.config import load_config
     from prism_megatron.config.loader import to_yaml
     from prism_megatron.config.schema import ConfigError
     from prism_megatron.emulate.run import EmulationFailed, run_sandboxes
@@ -168,7 +168,8 @@ def moe_check_command(args) -> int:
 
     cluster_name = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("cluster=")), None)
     job = [o for o in args.overrides if not o.startswith("cluster=")]
-    cfg = load_config(["emulation.sandbox_ranks=[]", *job], _config_file(args.config))
+    cfg = job_of(args, job)
+    cfg.emulation.sandbox_ranks = []
     if cfg.moe.imbalance == "none" or not cfg.model.num_experts:
         raise ConfigError("moe-check needs an MoE model and an imbalance model: e.g. model=tiny_moe "
                           "moe.imbalance=zipf(1.2)")
@@ -244,7 +245,7 @@ def _pictures(out, cfg: PrismConfig, world: VirtualWorld, peaks: np.ndarray) -> 
     model = cfg.moe.model()
     tokens = t.micro_batch_size * m.seq_length // (p.tp if p.sequence_parallel else 1) // p.cp
     sources = world.group(0, "tp_ep" if p.tp > 1 else "ep") if p.ep > 1 or p.tp > 1 else (0,)
-    iteration = max(0, t.iters - 2)
+    iteration = max(0, cfg.iterations_run() - 2)
     shape = dict(experts=int(m.num_experts), tokens=tokens, topk=int(m.moe_router_topk), microbatch=0,
                  iteration=iteration)
     grid = np.asarray([sum(model.counts(layer=layer, source=s, **shape) for s in sources)

@@ -18,8 +18,9 @@ def sweep_command(args) -> int:
     load_cluster(args.cluster)  # fail fast on a bad cluster name
     points = expand(list(args.overrides))
     out = Path(args.out)
-    rows = Sweep(out, [], points, _config_file(args.config), cluster=args.cluster, jobs=args.jobs,
-                 workers=args.workers).run()
+    config_file = args.config if args.script else _config_file(args.config)
+    rows = Sweep(out, [], points, config_file, cluster=args.cluster, jobs=args.jobs,
+                 workers=args.workers, script=args.script).run()
     best = ranked(rows)
     skipped = [r for r in rows if r["status"] != "ok"]
     swept = _swept_keys(points)

@@ -76,11 +76,19 @@ class Sweep:
     cluster: str = "dgx_h100"
     jobs: int = 1
     workers: Optional[int] = None
+    script: Optional[list[str]] = None
+    """`SCRIPT ARGS` of the job (config/job.py: a point's overrides rewrite the script's flags); None:
+    the built-in example."""
+
+    def _id(self, swept: list[str]) -> str:
+        """A point's id: its overrides, and the script when there is one (another script's rows are
+        not this sweep's)."""
+        return point_id([*swept, "--", *self.script] if self.script else swept)
 
     def run(self, stream=sys.stderr) -> list[dict]:
         self.out.mkdir(parents=True, exist_ok=True)
         rows = {r["point"]: r for r in read_results(self.out / "results.csv")}
-        todo = [p for p in self.points if point_id(p) not in rows]
+        todo = [p for p in self.points if self._id(p) not in rows]
         if len(todo) < len(self.points):
             print(f"sweep: {len(self.points) - len(todo)} of {len(self.points)} points already done "
                   f"({self.out / 'results.csv'}); running {len(todo)}", file=stream)
@@ -88,27 +96,28 @@ class Sweep:
         with ThreadPoolExecutor(max_workers=max(1, self.jobs)) as pool:
             for done, row in enumerate(pool.map(self._point, todo), start=1):
                 rows[row["point"]] = row
-                write_results(self.out / "results.csv", [rows[point_id(p)] for p in self.points
-                                                          if point_id(p) in rows])
+                write_results(self.out / "results.csv", [rows[self._id(p)] for p in self.points
+                                                          if self._id(p) in rows])
                 elapsed = time.perf_counter() - start
                 eta = elapsed / done * (len(todo) - done)
                 bar = "#" * (24 * done // max(1, len(todo)))
                 print(f"sweep [{bar:<24}] {done}/{len(todo)} | {elapsed:.0f}s elapsed, ETA {eta:.0f}s | "
                       f"{row['overrides']}: {row['status']}", file=stream, flush=True)
-        return [rows[point_id(p)] for p in self.points]
+        return [rows[self._id(p)] for p in self.points]
 
     def _point(self, swept: list[str]) -> dict:
         from prism_megatron.capture.run import Capture, CaptureFailed
-        from prism_megatron.config import load_config
+        from prism_megatron.config.job import job_config
         from prism_megatron.graph import load_graph
         from prism_megatron.sim.cluster import load_cluster
         from prism_megatron.sim.des import SimulationError, Simulator
         from prism_megatron.sim.report import job_figures
 
-        row = {"point": point_id(swept), "overrides": " ".join(swept)}
+        row = {"point": self._id(swept), "overrides": " ".join(swept)}
         t0 = time.perf_counter()
         try:
-            cfg = load_config(["emulation.sandbox_ranks=[]", *self.base, *swept], self.config_file)
+            cfg = job_config(["emulation.sandbox_ranks=[]", *self.base, *swept], self.config_file, self.script)
+            cfg.emulation.sandbox_ranks = []
             if cfg.emulation.virtual_world_size is None:
                 raise ConfigError("a sweep needs emulation.virtual_world_size")
         except ConfigError as err:
