@@ -274,8 +274,6 @@ def main(argv=None) -> int:
         cfg = config_from_args(args, getattr(args, "prism_config", None))
         if cfg.emulation.virtual_world_size is None:
             cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
-        if cfg.train.device != "cuda":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         inst = prism_megatron.install(cfg)
         train(args, cfg, inst, getattr(args, "prism_summary_json", None))
     except ConfigError as err:

@@ -141,7 +141,7 @@ def test_a_users_megatron_core_script_is_captured_and_emulated(user_script, tmp_
     """TP2 PP2 over 64 virtual ranks, its flags read for the world and the microbatches; its
     --train-iters 1000 stops after the recorded iterations (emulation.stop_after)."""
     args = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters",
-            "1000", "--global-batch-size", "32", "--prism-virtual-world-size", "64"]
+            "1000", "--global-batch-size", "32", "--micro-batch-size", "1", "--prism-virtual-world-size", "64"]
     cap = _cli("capture", "--out", "cap", "--json", "cap.json", "--", user_script.name, *args, cwd=tmp_path)
     assert cap.returncode == 0, cap.stderr[-3000:]
     summary = json.loads((tmp_path / "cap.json").read_text())
@@ -168,8 +168,8 @@ def test_an_override_rewrites_the_scripts_flag_and_a_sweep_sweeps_it(user_script
     """`parallel.tp=1,2` over the script: each point runs the script with its own
     --tensor-model-parallel-size; a job key without a flag the script can take fails the point
     with the script's own error, not silently."""
-    args = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "50",
-            "--prism-virtual-world-size", "16"]
+    args = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--micro-batch-size", "1",
+            "--train-iters", "50", "--prism-virtual-world-size", "16"]
     proc = _cli("sweep", "parallel.tp=1,2", "--out", "sw", "--cluster", "cpu_host", "--json", "sw.json",
                 "--", user_script.name, *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -179,6 +179,15 @@ def test_an_override_rewrites_the_scripts_flag_and_a_sweep_sweeps_it(user_script
 
     worlds = sorted(load_graph(str(p)).world.tp for p in (tmp_path / "sw" / "points").glob("*/capture/graph.prism"))
     assert worlds == [1, 2]
+
+
+def test_a_script_whose_batch_differs_from_the_config_is_named_not_captured_wrongly(user_script, tmp_path):
+    """Without --micro-batch-size the script runs its own default (1) where the config's is 2: the
+    capture names the disagreement instead of planning roles for the wrong microbatch count."""
+    proc = _cli("capture", "--out", "cap", "--", user_script.name, "--pipeline-model-parallel-size", "2",
+                "--global-batch-size", "8", "--prism-virtual-world-size", "4", cwd=tmp_path)
+    assert proc.returncode == 1 and "ran 4 microbatches per iteration" in proc.stderr, proc.stderr[-2000:]
+    assert "--micro-batch-size" in proc.stderr and not (tmp_path / "cap" / "graph.prism").exists()
 
 
 def test_a_users_deepspeed_script_runs_through_capture_and_emulation(tmp_path):
@@ -194,7 +203,7 @@ def test_a_users_deepspeed_script_runs_through_capture_and_emulation(tmp_path):
     assert out["ranks"] == 32 and out["iteration_time_s"] > 0
     from prism_megatron.graph import load_graph
 
-    graph = load_graph(out["graph_path"])
+    graph = load_graph(str(tmp_path / out["graph_path"]))  # relative to where the command ran
     (_, g), = graph.roles.items()
     assert {graph.string(i) for i in g.columns["dim"][g.columns["kind"] != 0]} == {"world"}  # ZeRO's DP
     sandbox, = out["sandbox"]

@@ -173,6 +173,13 @@ class Capture:
                 f"config says {_shape(self.world)}; give the script's parallel flags (or parallel.* "
                 "overrides) that match what it builds")
         s.graph, s.strings = g.roles[s.role], g.strings
+        ran = _microbatches_run(s.graph, s.strings)
+        if ran is not None and ran != self.microbatches:
+            raise CaptureFailed(
+                f"slice rank {s.rank}: the job ran {ran} microbatches per iteration, but the capture's config "
+                f"says {self.microbatches} (global batch {self.cfg.train.global_batch_size} / (micro batch "
+                f"{self.cfg.train.micro_batch_size} x dp {self.world.dp})); give the script's "
+                "--micro-batch-size and --global-batch-size (or train.* overrides) that it uses")
         s.host_bound = g.meta.get("host_bound")
         return True
 
@@ -366,6 +373,13 @@ def _job_key(config_yaml: str) -> Optional[dict]:
     except (yaml.YAMLError, TypeError, KeyError, AttributeError):
         return None
     return data
+
+
+def _microbatches_run(g: RoleGraph, strings: list[str]) -> Optional[int]:
+    """Forward passes of the first model chunk in the recorded iteration (None: no spans)."""
+    names = np.asarray([strings[int(i)] for i in g.spans["name"]])
+    forward = (names == "forward") & (g.spans["chunk"] == 0)
+    return int(forward.sum()) if forward.any() else None
 
 
 def _shape(world: VirtualWorld) -> str:

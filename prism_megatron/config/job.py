@@ -110,7 +110,9 @@ def job_config(overrides: Iterable[str] = (), config_file: Optional[str] = None,
         path = Path(cwd or os.getcwd(), script).resolve()
         if not path.is_file():
             raise ConfigError(f"{script} after -- is not a file; give the path of the training script")
-        base = load_config([o for o in overrides if not _is_job_key(o)], config_file)
+        # the framework only (how flags are rewritten); the world is checked once the flags are read
+        base = load_config([*(o for o in overrides if not _is_job_key(o)), "emulation.virtual_world_size=null",
+                            "emulation.sandbox_ranks=[]"], config_file)
         return _script_config(str(path), args, str(Path(cwd or os.getcwd()).resolve()), base.train.framework,
                               overrides, config_file)
     cfg = load_config(overrides, config_file)

@@ -237,6 +237,9 @@ def install(cfg: PrismConfig, *, recorder: Optional[Recorder] = None) -> Install
 
         inst.routing = RoutingState(cfg.moe.model(), cfg.model.moe_expert_capacity_factor)
     if device == "cpu":
+        # DeepSpeed picks its accelerator once, on first use: on a CPU run it is its CPU one (its CUDA
+        # one would allocate ZeRO's buckets on a device that is not there)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         inst.runtime = CpuRuntime(device=_device_properties(cfg.emulation.target_gpu)).activate()
     inst.execution = resolve_execution(cfg, device)
     if inst.execution == "fake":
