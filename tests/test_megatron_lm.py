@@ -123,3 +123,35 @@ def test_a_virtual_world_size_in_a_plain_process_is_one_line_not_a_hang(tmp_path
                           timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "8192 physical process(es) announced" in proc.stdout and "prism-megatron launch" in proc.stdout
+
+
+def test_capture_then_emulate_megatron_lms_own_script(megatron_lm, tmp_path):
+    """`prism-megatron capture --out DIR -- pretrain_gpt.py ...` (the job as the user runs it, with a
+    --train-iters the hooks cut to the recorded three), then `emulate` of rank 4711: six slices, the
+    probes of the three classes of TP8 PP16 (first stage, middle stages, last stage), the other 122
+    roles inferred; the sandbox reruns the script from the graph's meta."""
+    job = [a if a != "2" or ARGS[i - 1] != "--train-iters" else "1000" for i, a in enumerate(ARGS)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=str(REPO))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "prism_megatron.cli", *args], capture_output=True,
+                              text=True, env=env, timeout=900, cwd=megatron_lm)
+
+    cap = cli("capture", "--out", str(tmp_path / "cap"), "--json", str(tmp_path / "cap.json"), "--",
+              "pretrain_gpt.py", *job, "--prism-virtual-world-size", "8192")
+    assert cap.returncode == 0, cap.stderr[-4000:]
+    got = json.loads((tmp_path / "cap.json").read_text())
+    assert (got["roles_total"], got["roles_captured"], got["roles_inferred"]) == (128, 6, 122)
+    assert all(c["symmetric"] for c in got["classes"]) and len(got["classes"]) == 3
+    from prism_megatron.graph import load_graph
+
+    last = load_graph(str(tmp_path / "cap" / "slices" / "rank7687.prism"), check=False)
+    assert last.meta["iterations_run"] == 3
+    emu = cli("emulate", str(tmp_path / "cap" / "graph.prism"), "--out", str(tmp_path / "emu"),
+              "--sandbox", "4711", "--json", str(tmp_path / "emu.json"))
+    assert emu.returncode == 0, emu.stderr[-4000:]
+    out = json.loads((tmp_path / "emu.json").read_text())
+    row, = out["sandbox"]
+    assert out["ranks"] == 8192 and row["virtual_rank"] == 4711
+    assert row["iteration_time_s"] >= row["recorded_iteration_s"] > 0 and row["peak_allocated_bytes"] > 0
