@@ -19,6 +19,9 @@
     prism-megatron moe-check [--config FILE] [key=value ...] --out DIR [--capacity 80GiB] [--json PATH]
                                                                          per-rank MoE peaks; exit 3 on OOM
 
+capture, emulate, run, sweep and moe-check take the training job as `-- SCRIPT ARGS` (the user's own
+script, Megatron-LM's `pretrain_gpt.py`; config/job.py); emulate's replaces the graph's job.
+
 Without `--config`, `train`, `world` and `capture` use the built-in default `configs/default.yaml`
 (rank 4711 of GPT-175B on 8192 H200s, TP8 PP16 DP64; on a CPU under fake execution). Bad input
 prints one line and exits with status 2.
