@@ -26,6 +26,12 @@ sandbox's compute against that run's compute of the same rank is the error of ru
 the op names whose total duration differs most are listed.
 
     python benchmarks/fidelity.py [--configs ...] [--device cpu|cuda] [--reps 3] [--json PATH] [--list]
+    prism-megatron validate --world 8 --sandbox first-stage,last-stage [...] -- SCRIPT ARGS
+
+With `-- SCRIPT ARGS` the job is the user's own script (config/job.py), in the place of the named
+configs: its real run is the script under torchrun as `--world` processes (through `prism-megatron
+launch` without a virtual world, whose summary gives each rank's iteration times and peak memory),
+its emulation the capture and emulation of the same command at a virtual world of that size.
 
 Writes benchmarks/results/fidelity-<machine>-<date>.json unless --json says otherwise.
 """
@@ -71,6 +77,9 @@ CONFIGS = {
     "tp2_ep4": (8, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "model.num_experts=8",
                     "model.moe_router_topk=2", "moe.imbalance=zipf(1.2)"], ["first-stage", "hottest-expert"]),
 }
+SCRIPT = "script"
+"""The config name of the job given after `--` (its world and sandboxes from --world, --sandbox)."""
+SCRIPT_TOKENS: list[str] = []
 DEFAULT_CONFIGS = [name for name, (world, _, _) in CONFIGS.items() if world == 2]
 """Those a plain run measures: the 2-rank suite of issue [D] (the 8-rank ones of [I] by name)."""
 SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 with the GPU shape
@@ -84,11 +93,18 @@ SHAPES = {  # per device: model and batch; an iteration of >= 300 ms on an H200 
 
 def config_file(name: str, device: str, iters: int, tmp: Path) -> tuple[Path, int, list[str]]:
     from prism_megatron.config import load_config
+    from prism_megatron.config.job import job_config
     from prism_megatron.config.loader import to_yaml
 
     world, overrides, sandbox = CONFIGS[name]
-    cfg = load_config([*SHAPES[device], *overrides, f"train.iters={iters}", f"train.device={device}",
-                       "emulation.sandbox_ranks=[]"])
+    if name == SCRIPT:  # the user's script: its flags are its shape; it runs `iters` iterations
+        cfg = job_config([f"emulation.virtual_world_size={world}", f"emulation.stop_after={iters}",
+                          f"train.device={device}", "emulation.sandbox_ranks=[]", *overrides], None,
+                         SCRIPT_TOKENS)
+        cfg.emulation.virtual_world_size = None  # the real run is plain; capture() sets it again
+    else:
+        cfg = load_config([*SHAPES[device], *overrides, f"train.iters={iters}", f"train.device={device}",
+                           "emulation.sandbox_ranks=[]"])
     cfg.check_world(world)
     path = tmp / f"{name}.yaml"
     path.write_text(to_yaml(cfg))
@@ -99,15 +115,17 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
     """One real run: the median over iterations after `warmup` of the slowest rank's iteration time,
     rank -> peak allocated bytes, the slowest rank's time per iteration, and rank -> the caching
     allocator's cumulative counters per iteration (GPU)."""
-    from prism_megatron.capture.run import script_for
+    from prism_megatron.config.job import TrainingJob
+    from prism_megatron.config.schema import TrainConfig
     from prism_megatron.util import free_port, job_env
 
-    framework = (yaml.safe_load(config.read_text()).get("train") or {}).get("framework", "megatron")
+    job = TrainingJob.of(TrainConfig(**(yaml.safe_load(config.read_text()).get("train") or {})))
+    out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-         str(free_port()), str(script_for(framework)), "--prism-config", str(config),
-         "--prism-summary-json", str(out / "summary{rank}.json")],
-        capture_output=True, text=True, env=job_env(cpu=device == "cpu"), cwd=REPO,
+        job.command(["--prism-config", str(config.resolve()),
+                     "--prism-summary-json", str(out.resolve() / "summary{rank}.json")],
+                    nproc=world, master_port=free_port()),
+        capture_output=True, text=True, env=job.env(job_env(cpu=device == "cpu")), cwd=str(job.workdir),
         timeout=3600)
     if proc.returncode:
         raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
@@ -320,7 +338,29 @@ def main() -> int:
                         help="keep the work directory (graphs, sandbox runs, logs) here, not in /tmp")
     parser.add_argument("--json", default=None)
     parser.add_argument("--list", action="store_true", help="name the configs and exit")
-    args = parser.parse_args()
+    parser.add_argument("--world", type=int, default=2, help="with -- SCRIPT: the real run's processes")
+    parser.add_argument("--sandbox", default="first-stage",
+                        help="with -- SCRIPT: the sandbox specs emulated, e.g. first-stage,last-stage")
+    argv = sys.argv[1:]
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, SCRIPT_TOKENS[:] = argv[:cut], argv[cut + 1:]
+    args = parser.parse_args(argv)
+    if SCRIPT_TOKENS:
+        if args.world < 1 or not args.sandbox.strip():
+            print(f"error: --world {args.world} / --sandbox {args.sandbox!r}: expected >= 1 processes and a "
+                  "sandbox spec", file=sys.stderr)
+            return 2
+        CONFIGS[SCRIPT] = (args.world, [], [s.strip() for s in args.sandbox.split(",") if s.strip()])
+        args.configs = [SCRIPT]
+        from prism_megatron.config.schema import ConfigError
+
+        try:  # bad input stops here, before any calibration or run
+            with tempfile.TemporaryDirectory() as check:
+                config_file(SCRIPT, args.device, args.iters, Path(check))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.list:
         for name, (world, overrides, sandbox) in CONFIGS.items():
             print(f"{name}: N={world} {' '.join(overrides)} sandbox {','.join(sandbox)}")

@@ -435,7 +435,7 @@ def _validate(argv: list[str]) -> int:
         print(f"prism-megatron: error: {harness} not found; validate runs the repository's fidelity "
               "harness, so use a checkout installed with `pip install -e .`", file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, str(harness), *argv], cwd=str(REPO))
+    return subprocess.call([sys.executable, str(harness), *argv])  # here: a script after -- is relative to it
 
 
 def _cmd_report(args) -> int:

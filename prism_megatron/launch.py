@@ -128,10 +128,14 @@ def _write_launch_summary(inst, script: str, path: Optional[str]) -> None:
     `pretrain_gpt.py`): what the hooks saw of the rank (its training iterations, each one's wall time
     and the backend's host time in it: hooks/iterations.py), with its peak memory and communication
     counts (`Installation.write_summary`)."""
-    if not path or inst.summary_written is not None or inst.session is None:
+    if not path or inst.summary_written is not None:
         return
-    summary = {"script": script, "virtual_world_size": inst.session.world_size,
-               "virtual_rank": inst.session.virtual_rank, **inst.iterations.figures()}
+    if inst.session is not None:
+        rank, size = inst.session.virtual_rank, inst.session.world_size
+    else:  # a plain run (no virtual world): the rank torchrun gave
+        rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    summary = {"script": script, "virtual_world_size": size, "virtual_rank": rank,
+               **inst.iterations.figures()}
     inst.write_summary(summary, path)
 
 

@@ -220,3 +220,18 @@ def test_a_bad_script_argument_is_one_line_and_exit_2(tmp_path, args, message):
     proc = _cli(*args, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_validate_measures_a_users_script_against_its_emulation(user_script, tmp_path):
+    """`prism-megatron validate --world 2 -- SCRIPT ARGS`: the script's plain TP2 run (two gloo
+    processes, the hooks' own per-rank summary) against the capture and emulation of the same command;
+    the sandbox's peak memory is the real rank's to the byte."""
+    calibration = REPO / "benchmarks" / "results" / "calibration-cpu4-vm-2026-11-30.json"
+    proc = _cli("validate", "--reps", "1", "--iters", "4", "--warmup", "1", "--world", "2",
+                "--calibration", str(calibration), "--json", "v.json", "--", user_script.name,
+                "--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row, = json.loads((tmp_path / "v.json").read_text())["rows"]
+    assert row["config"] == "script" and row["world"] == 2 and row["real_iter_s_median"] > 0
+    assert row["emu_iter_s"] > 0 and row["mem_err_pct"] == 0.0
