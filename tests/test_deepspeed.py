@@ -217,3 +217,21 @@ def test_launch_runs_the_deepspeed_script_as_the_direct_run(tmp_path):
     via = json.loads((tmp_path / "launched.json").read_text())
     assert via["virtual_rank"] == 5 and via["virtual_world_size"] == N
     assert via["losses"] == direct["losses"] and via["peak_tracked_bytes"] == direct["peak_tracked_bytes"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ghost_shards_keep_the_model_at_virtual_dp_1024(tmp_path, stage):
+    """ZeRO-3 at DP 1024 cuts this model's small parameters into shards of a few elements; the ghosts'
+    shards are their initial values (hooks/deepspeed.py `_patch_ghost_shards`), not copies of rank 0's
+    one element, so the loss is the model's and it moves. Rank 0 reads the same batch as a plain
+    one-process run, whose first loss it matches (before any update a ghost shard is the real one)."""
+    job = ["--deepspeed-config", _config(stage), "--train-iters", "3", "--global-batch-size", str(2 * N)]
+    _run([*job, "--prism-virtual-world-size", str(N), "--prism-sandbox-ranks", "0"], tmp_path / "v.json")
+    _run(["--deepspeed-config", _config(stage), "--train-iters", "3", "--global-batch-size", "2"],
+         tmp_path / "plain.json")
+    virtual = json.loads((tmp_path / "v.json").read_text())["losses"]
+    plain = json.loads((tmp_path / "plain.json").read_text())["losses"]
+    uniform = math.log(512)
+    assert all(abs(x - uniform) > 1e-3 for x in virtual), virtual  # not the uniform-logits loss
+    assert len(set(round(x, 6) for x in virtual)) == 3, virtual  # it moves
+    assert virtual[0] == pytest.approx(plain[0], rel=1e-5), (virtual, plain)

@@ -88,6 +88,7 @@ def _patch(inst: Any, session_of: Callable[[], Any]) -> None:
         inst.patch(ds_torch, "build_shm_op", lambda: None)
         _patch_rank0_checks(inst)
         _patch_param_gather(inst)
+        _patch_ghost_shards(inst)
     original = deepspeed.initialize
 
     @functools.wraps(original)
@@ -174,6 +175,91 @@ def _patch_param_gather(inst: Any) -> None:
             session.fresh_gathers -= 1
 
     inst.patch(module, "_dist_allgather_fn", _dist_allgather_fn)
+
+
+SMALL_SHARD = 4096
+"""Elements per rank below which a ZeRO-3 shard cannot stand for its whole parameter (module docstring of
+`_patch_ghost_shards`)."""
+
+
+def _patch_ghost_shards(inst: Any) -> None:
+    """ZeRO-3 at a large data-parallel size cuts a small parameter into shards of a few elements
+    (a LayerNorm weight of 64 at DP 1024: one element per rank, the other ranks holding padding).
+    The mirror fill of a fresh gather (`_patch_param_gather`) gives every ghost's slot a copy of this
+    rank's shard, so such a parameter comes back as one value repeated: with every weight of a small
+    model so, the logits are uniform and the loss is ln(vocabulary) at every iteration.
+
+    So the ghosts' shards of such a parameter, those smaller than `SMALL_SHARD` elements per rank,
+    are kept as they were when DeepSpeed first partitioned it (the initial values, where the full
+    parameter still exists), and after each gather of it the ghost-owned elements take them back.
+    This rank's shard, and those of other sandboxes in the group, stay as gathered. A ghost does not
+    train, so its shard as initialised is the last value it is known to have had; the model stays the
+    one the script built. Larger shards keep the mirror fill (a shard of 4096 or more values is
+    already a sample of its parameter). What is kept is outside the rank's memory figures: untracked
+    on CPU, and on GPU left out of the allocated bytes (`Installation.own_device_bytes`). Fake
+    execution has no values to keep."""
+    try:
+        module = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
+    except ImportError:
+        return
+    import math
+
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (initial values, ghost mask)
+    status = module.ZeroParamStatus
+    partition = module.Init._partition_param
+
+    @functools.wraps(partition)
+    def _partition_param(self, param, *args, **kwargs):
+        session = inst.session
+        if (session is not None and inst.fake is None and id(param) not in kept
+                and param.ds_status is status.AVAILABLE and getattr(param, "ds_tensor", None) is None):
+            n = self._partition_world_size(param)
+            if n > 1 and math.ceil(param.ds_numel / n) < SMALL_SHARD:
+                members = dist.get_process_group_ranks(self.get_partition_dp_group(param))
+                ghost = torch.tensor([session.physical.physical_of(int(m)) is None for m in members])
+                with _disable_current_modes():
+                    owner = torch.arange(param.ds_numel) // math.ceil(param.ds_numel / n)
+                    mask = ghost[owner].to(param.device)
+                    initial = param.data.detach().reshape(-1).clone()
+                kept[id(param)] = (initial, mask)
+                if initial.device.type == "cuda":
+                    inst.ghost_shard_bytes += initial.nbytes + mask.nbytes
+        return partition(self, param, *args, **kwargs)
+
+    def restore(params) -> None:
+        with _disable_current_modes():
+            for param in params:
+                entry = kept.get(id(param))
+                if entry is None or param.ds_status is not status.AVAILABLE:
+                    continue
+                flat = param.data.view(-1)
+                torch.where(entry[1], entry[0].to(flat.dtype), flat, out=flat)
+
+    inst.patch(module.Init, "_partition_param", _partition_param)
+    gather = module.Init._all_gather  # `param.all_gather`: persistent parameters after each step
+
+    @functools.wraps(gather)
+    def _all_gather(self, param_list, *args, **kwargs):
+        out = gather(self, param_list, *args, **kwargs)
+        restore(param_list)
+        return out
+
+    inst.patch(module.Init, "_all_gather", _all_gather)
+    for cls, attr in ((module.AllGatherHandle, "_AllGatherHandle__param"),
+                      (module.AllGatherCoalescedHandle, "params")):
+        wait = cls.wait
+
+        @functools.wraps(wait)
+        def waited(handle, *args, _wait=wait, _attr=attr, **kwargs):
+            out = _wait(handle, *args, **kwargs)
+            params = getattr(handle, _attr, None)
+            restore(params if isinstance(params, list) else [params] if params is not None else [])
+            return out
+
+        inst.patch(cls, "wait", waited)
 
 
 def _world_of(cfg: Any, world_size: int):

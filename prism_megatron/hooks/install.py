@@ -117,6 +117,9 @@ class Installation:
     ds_routing: Optional[Any] = None
     """DeepSpeed-MoE's steered gates (moe/deepspeed_routing.py), made with the first engine that has
     MoE layers when moe.imbalance routes the tokens."""
+    ghost_shard_bytes: int = 0
+    """GPU bytes of the ghosts' ZeRO-3 shards of small parameters kept by prism
+    (hooks/deepspeed.py `_patch_ghost_shards`), not the rank's."""
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
     _handles: list = field(default_factory=list, repr=False)
     _exits: list = field(default_factory=list, repr=False)
@@ -145,7 +148,7 @@ class Installation:
         has none of them, so the rank's allocated figures leave them out. Reserved bytes keep them
         (they share the allocator's small segments with the rank's tensors)."""
         clock = self.recorder.clock if self.recorder is not None else None
-        return int(getattr(clock, "own_device_bytes", 0))
+        return int(getattr(clock, "own_device_bytes", 0)) + self.ghost_shard_bytes
 
     def write_summary(self, summary: dict, path: Optional[str]) -> bool:
         """Complete a training script's per-rank summary with this rank's peak memory (exact tracker
