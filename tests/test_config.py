@@ -65,6 +65,23 @@ def test_presets_yaml_and_overrides_merge_in_order(tmp_path):
     assert cfg.parallel.tp == 2 and cfg.model.num_layers == 12  # the override wins over the file
 
 
+def test_a_command_line_preset_replaces_the_files_model_as_a_config_group_does(tmp_path):
+    """`--config FILE model=tiny` is the tiny model, not the file's 96 layers of hidden 12288 (what
+    `train`, `run`, `capture` and `sweep -m model=...` use); the file's other sections stay, and a
+    file's own `model: NAME` is refined by its fields."""
+    cfg = load_config(["model=tiny_moe", "parallel.pp=2", "model.num_attention_heads=8", "model.num_layers=4",
+                       "train.global_batch_size=8192"],
+                      str(REPO / "configs" / "default.yaml"))
+    assert (cfg.model.hidden_size, cfg.model.num_experts, cfg.model.params_dtype) == (64, 8, "fp32")
+    assert cfg.emulation.virtual_world_size == 8192 and cfg.parallel.tp == 8  # the file's world stays
+    own = tmp_path / "own.yaml"
+    own.write_text("model: tiny_moe\nparallel: {tp: 2}\n")
+    assert load_config([], str(own)).model.num_experts == 8 and load_config([], str(own)).parallel.tp == 2
+    refined = tmp_path / "refined.yaml"
+    refined.write_text("model:\n  num_layers: 6\n")
+    assert load_config(["model=tiny_moe"], str(refined)).model.num_layers == 4  # the choice replaced it
+
+
 def test_shipped_configs_load():
     default = load_config([], str(REPO / "configs" / "default.yaml"))
     assert default.emulation.virtual_world_size == 8192 and default.emulation.sandbox_ranks == [4711]

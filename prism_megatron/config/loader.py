@@ -1,7 +1,8 @@
 """Build a validated `PrismConfig` from YAML files, presets and `key=value` overrides.
 
-Order of precedence (later wins): dataclass defaults, `model=<preset>` / `--prism-config FILE`, then
-dotted overrides such as `parallel.tp=8`. Every failure (unknown key, wrong type, a size that does not
+Order of precedence (later wins): dataclass defaults, `--prism-config FILE` (whose `model: <preset>`
+comes before its own model fields), a `model=<preset>` override (which replaces the file's model
+section, as a Hydra config group choice does), then dotted overrides such as `parallel.tp=8`. Every failure (unknown key, wrong type, a size that does not
 divide) becomes one `ConfigError` line.
 """
 
@@ -53,6 +54,11 @@ def _preset(name: str) -> ModelConfig:
     return replace(MODEL_PRESETS[name])
 
 
+def _preset_layer(name: str):
+    """The model section of preset `name`, alone (other sections stay as the layers below say)."""
+    return OmegaConf.create({"model": OmegaConf.structured(_preset(name))})
+
+
 def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None) -> PrismConfig:
     """Merge defaults, an optional YAML file and `key=value` overrides; validate; return the dataclass."""
     base = OmegaConf.structured(PrismConfig)
@@ -68,12 +74,15 @@ def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None
             if not os.path.isfile(config_file):
                 raise ConfigError(f"config file {config_file!r} does not exist; give a YAML path")
             file_cfg = OmegaConf.load(config_file)
-            if "model" in file_cfg and isinstance(file_cfg.model, str):
-                presets.insert(0, f"model={file_cfg.model}")
+            if presets and "model" in file_cfg:
+                # `model=NAME` on the command line chooses the model as a Hydra config group does:
+                # the file's model (its preset and its fields) gave way, the command line's wins
                 file_cfg.pop("model")
+            elif "model" in file_cfg and isinstance(file_cfg.model, str):
+                layers.append(_preset_layer(file_cfg.pop("model")))  # the file's fields refine it
             layers.append(file_cfg)
         for item in presets:
-            layers.insert(1, OmegaConf.structured(PrismConfig(model=_preset(item.split("=", 1)[1]))))
+            layers.append(_preset_layer(item.split("=", 1)[1]))
         layers.append(OmegaConf.from_dotlist(dotted))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)
