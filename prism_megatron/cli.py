@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a GPT as one rank of the virtual world"),
                        ("world", "show a virtual rank's coordinates, role and groups"),
-                       ("config", "print the resolved config (--keys: every key with its doc)"),
+                       ("config", "print the resolved config that train (or, given -- SCRIPT ARGS, capture) "
+                                  "would run (--keys: every key with its doc)"),
                        ("capture", "capture the full-scale execution graph by running roles as slices"),
                        ("export", "export a graph: Perfetto/Chrome trace of ranks, Chakra ET files"),
                        ("simulate", "replay a captured graph over all N ranks on a modelled cluster"),
@@ -254,11 +255,15 @@ def _cmd_config(args) -> int:
             for f in fields(cls):
                 print(f"{section}.{f.name} = {getattr(cls(), f.name)!r}\n    {docs.get(f.name, '')}")
         return 0
-    print(to_yaml(load_config(args.overrides, args.config)), end="")
+    from prism_megatron.config.job import job_config
+
+    # what `train` (the default config file) or a command given `-- SCRIPT ARGS` would run
+    config_file = args.config if args.script else _config_file(args.config)
+    print(to_yaml(job_config(args.overrides, config_file, args.script)), end="")
     return 0
 
 
-SCRIPT_COMMANDS = ("capture", "emulate", "run", "sweep", "moe-check")
+SCRIPT_COMMANDS = ("capture", "emulate", "run", "sweep", "moe-check", "config")
 """The subcommands that take the job as `-- SCRIPT ARGS` (config/job.py)."""
 
 

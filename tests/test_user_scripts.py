@@ -235,3 +235,17 @@ def test_validate_measures_a_users_script_against_its_emulation(user_script, tmp
     row, = json.loads((tmp_path / "v.json").read_text())["rows"]
     assert row["config"] == "script" and row["world"] == 2 and row["real_iter_s_median"] > 0
     assert row["emu_iter_s"] > 0 and row["mem_err_pct"] == 0.0
+
+
+def test_config_shows_what_a_command_would_run(user_script, tmp_path):
+    """`config -- SCRIPT ARGS`: the job config the capture would use, read from the script's flags
+    (and Megatron-LM's global batch of micro batch x dp where the flag is absent); `config` alone:
+    the built-in default job that `train` runs."""
+    proc = _cli("config", "parallel.pp=2", "--", user_script.name, "--tensor-model-parallel-size", "2",
+                "--micro-batch-size", "1", "--prism-virtual-world-size", "16", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "tp: 2" in text and "pp: 2" in text and "global_batch_size: 4" in text  # 1 x 16 / (2 x 2)
+    assert "--pipeline-model-parallel-size" in text  # the override rewrote the script's flag
+    default = _cli("config", cwd=tmp_path, timeout=120)
+    assert default.returncode == 0 and "virtual_world_size: 8192" in default.stdout

@@ -210,7 +210,8 @@ def _megatron_global_batch(known, overrides: list[str], config_file: Optional[st
     tp = known.tensor_model_parallel_size or 1
     pp = known.pipeline_model_parallel_size or 1
     cp = known.context_parallel_size or 1
-    mbs = known.micro_batch_size or OmegaConf.select(merged, "train.micro_batch_size") or 1
+    mbs = (known.micro_batch_size or OmegaConf.select(merged, "train.micro_batch_size")
+           or TrainConfig().micro_batch_size)  # the micro batch the config will hold
     if int(world) % (tp * pp * cp):
         return None  # the config's own check names the mismatch
     return int(mbs) * int(world) // (tp * pp * cp)
