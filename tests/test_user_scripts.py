@@ -249,3 +249,24 @@ def test_config_shows_what_a_command_would_run(user_script, tmp_path):
     assert "--pipeline-model-parallel-size" in text  # the override rewrote the script's flag
     default = _cli("config", cwd=tmp_path, timeout=120)
     assert default.returncode == 0 and "virtual_world_size: 8192" in default.stdout
+
+
+def test_a_faulted_sandbox_of_a_users_script_is_slower_and_reported(user_script, tmp_path):
+    """`run` of the script with a straggler on its sandbox (`faults.inject=slow(5, 2)`): the sandbox
+    slows its own compute for real (the schedule hooks stretch its steps, whoever wrote the loop), the
+    job's iteration follows it, and `report` writes the page of that run."""
+    job = ["--", user_script.name, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+           "--micro-batch-size", "1", "--hidden-size", "64", "--prism-virtual-world-size", "8"]
+    times = {}
+    for name, faults in (("clean", []), ("slow", ["faults.inject=slow(5, 2)"])):
+        proc = _cli("run", *faults, "cluster=cpu_host", "--sandbox", "5", "--out", name, "--json", f"{name}.json",
+                    *job, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        row, = json.loads((tmp_path / f"{name}.json").read_text())["sandbox"]
+        times[name] = row["recorded_iteration_s"]
+    # twice as slow in its forward, backward and optimizer steps; the loop's own host work between them
+    # (zero_grad, its batches, the loss print) is not stretched, so the whole iteration is less than 2x
+    assert times["slow"] > 1.25 * times["clean"], times
+    report = _cli("report", "slow", cwd=tmp_path, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "slow" / "report.html").is_file() or "report:" in report.stdout
