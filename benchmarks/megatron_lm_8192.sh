@@ -5,7 +5,11 @@
 #   MODE=launch  (default) each of RANKS through `prism-megatron launch`, one after another: Megatron's
 #                own log and each rank's summary (iterations, peak memory, communication counts);
 #   MODE=capture `prism-megatron capture -- pretrain_gpt.py ...` (the probes of every role class, one
-#                slice at a time on the GPU), then `emulate --sandbox RANKS` and `report` of it.
+#                slice at a time on the GPU), then `emulate --sandbox RANKS` and `report` of it. The
+#                capture works in $WORK/capture and reuses the slices it finds there (capture/run.py),
+#                so RESUME=capture.tar.gz of an earlier call (unpacked first) continues that capture.
+#                What comes back to $OUT: the logs and JSON summaries, capture.tar.gz (slices, their
+#                logs, graph) and emulation.tar.gz (the sandbox's trace, summary and report).
 # Run from the repository root with ARCHIVE (../shared/vendor/'s tarball) and OUT set; the package is
 # importable from the checkout (and /tmp/site where run_device.sh installed the wheels).
 set -o pipefail
@@ -14,26 +18,37 @@ repo=$(pwd)
 if [ ! -d /tmp/site ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
-work=$(mktemp -d); tar xzf "$ARCHIVE" -C "$work"
+work=${WORK:-/tmp/megatron_lm}  # fixed: the job's directory is part of its config, which a resumed capture matches
+[ -f "$work/pretrain_gpt.py" ] || { mkdir -p "$work" && tar xzf "$ARCHIVE" -C "$work"; } || exit 1
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="$work:/tmp/site:$repo:${PYTHONPATH:-}" PYTHONWARNINGS=ignore
-job=(pretrain_gpt.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
-  --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size ${GBS:-512} --train-iters 1000
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} NCCL_NVLS_ENABLE=0
+job=(pretrain_gpt.py --num-layers ${LAYERS:-96} --hidden-size ${HIDDEN:-12288} --num-attention-heads ${HEADS:-96}
+  --seq-length ${SEQ:-2048} --max-position-embeddings ${SEQ:-2048} --micro-batch-size 1
+  --global-batch-size ${GBS:-512} --train-iters ${TRAIN_ITERS:-1000}
   --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 51200 --transformer-impl local
   --bf16 --eval-iters 0 --eval-interval 100000 --log-interval 1 --no-gradient-accumulation-fusion
   --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-persist-layer-norm
   --no-rope-fusion --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
-  --sequence-parallel --use-distributed-optimizer --prism-virtual-world-size 8192)
+  --sequence-parallel --use-distributed-optimizer --prism-virtual-world-size 8192 ${EXTRA:-})
 if [ "${MODE:-launch}" = capture ]; then
+  s=$(date +%s)  # the native backend once, before the slices (each would otherwise wait on the first's build)
+  python3 -c "from prism_megatron.comm import native; native.load()" > $OUT/build.log 2>&1 || { tail -20 $OUT/build.log; exit 1; }
+  echo "native backend built in $(( $(date +%s) - s )) s"
+  runs=$work/prism; mkdir -p $runs
+  [ -n "${RESUME:-}" ] && tar xzf "$RESUME" -C $runs && echo "resumed: $(ls $runs/capture/slices/*.prism | wc -l) slices"
   s=$(date +%s)
-  (cd "$work" && timeout ${LIMIT_S:-480} python3 -m prism_megatron.cli capture --out $OUT/capture --workers 1 \
+  (cd "$work" && timeout ${CAPTURE_S:-480} python3 -m prism_megatron.cli capture --out $runs/capture --workers 1 \
     --json $OUT/capture.json -- "${job[@]}") > $OUT/capture.log 2>&1
-  echo "capture rc=$? $(( $(date +%s) - s )) s"; grep -v -i warn $OUT/capture.log | tail -6
+  echo "capture rc=$? $(( $(date +%s) - s )) s"; grep -v -i warn $OUT/capture.log | tail -12
+  tar czf $OUT/capture.tar.gz -C $runs capture
+  [ -f $runs/capture/graph.prism ] || exit 1
   s=$(date +%s)
-  (cd "$work" && timeout ${LIMIT_S:-480} python3 -m prism_megatron.cli emulate $OUT/capture/graph.prism \
-    --out $OUT/emulation --sandbox "$(echo ${RANKS:-0} | tr ' ' ,)" cluster=dgx_h200 \
+  (cd "$work" && timeout ${EMULATE_S:-480} python3 -m prism_megatron.cli emulate $runs/capture/graph.prism \
+    --out $runs/emulation --sandbox "$(echo ${RANKS:-0} | tr ' ' ,)" cluster=dgx_h200 \
     --json $OUT/emulation.json) > $OUT/emulation.log 2>&1
-  echo "emulate rc=$? $(( $(date +%s) - s )) s"; grep -v -i warn $OUT/emulation.log | tail -8
-  python3 -m prism_megatron.cli report $OUT/emulation --out $OUT/report 2>&1 | tail -2
+  echo "emulate rc=$? $(( $(date +%s) - s )) s"; grep -v -i warn $OUT/emulation.log | tail -12
+  python3 -m prism_megatron.cli report $runs/emulation --out $runs/emulation/report 2>&1 | tail -2
+  tar czf $OUT/emulation.tar.gz -C $runs emulation
   exit 0
 fi
 for rank in ${RANKS:-8191 0}; do
