@@ -40,12 +40,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
+from prism_megatron import resources
 from prism_megatron.config import ConfigError, load_config, to_yaml
 from prism_megatron.config.flags import _SECTIONS, OneLineParser, field_docs
 from prism_megatron.util import atomic_write_text
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = Path(os.environ.get("PRISM_DEFAULT_CONFIG") or REPO / "configs" / "default.yaml")
+DEFAULT_CONFIG = Path(os.environ.get("PRISM_DEFAULT_CONFIG") or resources.DEFAULT_CONFIG)
 """The config used without --config (`PRISM_DEFAULT_CONFIG` names another, as the tests do)."""
 
 
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                        ("launch", "run an unmodified training script (Megatron-LM's pretrain_gpt.py) with "
                                   "the hooks installed: launch [--nproc-per-node P] -- SCRIPT ARGS"),
                        ("validate", "the fidelity harness: real runs against their emulation, side by side "
-                                    "(benchmarks/fidelity.py; its flags follow)")):
+                                    "(`validate --help` lists its flags)")):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.error = parser.error  # subcommand usage errors: one line too
         if name == "calibrate":
@@ -200,10 +200,10 @@ def _config_file(arg: Optional[str]) -> Optional[str]:
 
 
 def _cmd_train(args) -> int:
-    example = REPO / "examples" / "pretrain_gpt.py"
+    example = resources.EXAMPLE_DIR / "pretrain_gpt.py"
     if not example.is_file():
-        raise ConfigError(f"{example} not found; `train` runs the repository's example, so use a "
-                          "checkout installed with `pip install -e .`")
+        raise ConfigError(f"{example} not found: the package was installed without its example "
+                          "scripts; reinstall it (`pip install .` ships them)")
     load_config(args.overrides, _config_file(args.config))  # fail fast, before importing megatron
     spec = importlib.util.spec_from_file_location("pretrain_gpt", example)
     module = importlib.util.module_from_spec(spec)
@@ -432,15 +432,10 @@ def _cmd_faults(args) -> int:
 
 
 def _validate(argv: list[str]) -> int:
-    """`prism-megatron validate ...`: benchmarks/fidelity.py of this checkout, with these flags."""
-    import subprocess
+    """`prism-megatron validate ...`: the fidelity harness (validate.py), with these flags."""
+    from prism_megatron.validate import main as validate_main
 
-    harness = REPO / "benchmarks" / "fidelity.py"
-    if not harness.is_file():
-        print(f"prism-megatron: error: {harness} not found; validate runs the repository's fidelity "
-              "harness, so use a checkout installed with `pip install -e .`", file=sys.stderr)
-        return 2
-    return subprocess.call([sys.executable, str(harness), *argv])  # here: a script after -- is relative to it
+    return validate_main(argv)
 
 
 def _cmd_report(args) -> int:

@@ -32,7 +32,8 @@ no access to the recorder's program order; the c10d backend sits where torch's o
 
 Build: on first use, `torch.utils.cpp_extension.load` compiles the sources with the machine's C++
 compiler (and nvcc for CUDA builds: the CUDA clock and holds) into torch's extension cache, once per
-source version; a machine without a compiler gets `NativeBuildError` with what to install.
+source version (from a copy of the sources in that cache, so every copy of the package shares one
+build); a machine without a compiler gets `NativeBuildError` with what to install.
 """
 
 from __future__ import annotations
@@ -96,14 +97,36 @@ def load() -> Any:
         return _module
 
 
+def _staged_sources() -> Path:
+    """The sources, copied into the build cache (`src/`) and rewritten there only when their content
+    changes: the build then names the same files wherever the package lies (a checkout, an installed
+    copy, another checkout), so they share one compiled backend instead of each rebuilding it in turn."""
+    staged = build_dir() / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for source in CSRC.iterdir():
+        if source.suffix not in (".h", ".cpp", ".cu"):
+            continue
+        target, data = staged / source.name, source.read_bytes()
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")  # several processes may stage at once
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    return staged
+
+
 def _build() -> Any:
     import torch  # noqa: F401 - the extension links against it
     from torch.utils.cpp_extension import load as build
 
     cuda = _with_cuda()
-    sources = [CSRC / f for f in ("bindings.cpp", "session.cpp", "policy.cpp", "trace.cpp", "backend.cpp")]
+    try:
+        csrc = _staged_sources()
+    except OSError as err:
+        raise NativeBuildError(f"prism's native backend could not copy its sources into {build_dir()} ({err}); "
+                               "set TORCH_EXTENSIONS_DIR to a writable folder") from None
+    sources = [csrc / f for f in ("bindings.cpp", "session.cpp", "policy.cpp", "trace.cpp", "backend.cpp")]
     if cuda:
-        sources += [CSRC / "holds_cuda.cpp", CSRC / "holds.cu", CSRC / "fold_cuda.cpp", CSRC / "fold.cu"]
+        sources += [csrc / "holds_cuda.cpp", csrc / "holds.cu", csrc / "fold_cuda.cpp", csrc / "fold.cu"]
     flags = (["-O0", "-g"] if os.environ.get("PRISM_NATIVE_DEBUG") else ["-O2"]) + ["-Wno-attributes"] + (
         ["-DPRISM_CUDA"] if cuda else [])
     try:

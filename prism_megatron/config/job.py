@@ -35,10 +35,10 @@ from typing import Iterable, Optional
 
 from prism_megatron.config.flags import MEGATRON_FLAGS, config_from_args, split_prism_tokens
 from prism_megatron.config.schema import ConfigError, PrismConfig, TrainConfig
+from prism_megatron.resources import EXAMPLE_DIR
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "pretrain_gpt.py"
-DEEPSPEED_EXAMPLE = REPO / "examples" / "deepspeed_train.py"
+EXAMPLE = EXAMPLE_DIR / "pretrain_gpt.py"
+DEEPSPEED_EXAMPLE = EXAMPLE_DIR / "deepspeed_train.py"
 
 SCRIPT_ITERATIONS = 3
 """Iterations a capture slice or a sandbox of a user's script runs before the hooks end it, unless
@@ -69,9 +69,11 @@ class TrainingJob:
         if t.script is None:
             script = example_for(t.framework)
             if not script.is_file():
-                raise ConfigError(f"{script} not found; the built-in example runs from a checkout installed "
-                                  "with `pip install -e .`, or give your script after --")
-            return cls(script=script, args=(), workdir=REPO, builtin=True)
+                raise ConfigError(f"{script} not found: the package was installed without its example "
+                                  "scripts; reinstall it (`pip install .` ships them), or give your script after --")
+            # the caller's folder, not the package's: relative paths in the config mean what they say
+            # where the command runs, and nothing is written inside an installed package
+            return cls(script=script, args=(), workdir=Path.cwd(), builtin=True)
         return cls(script=Path(t.script), args=tuple(t.script_args),
                    workdir=Path(t.workdir or Path(t.script).parent), builtin=False)
 

@@ -16,8 +16,9 @@ import yaml
 
 from prism_megatron.comm.cost import Calibration, CostModel
 from prism_megatron.config.schema import ConfigError
+from prism_megatron.resources import CONFIG_DIR
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
+CLUSTER_DIR = CONFIG_DIR / "cluster"
 
 
 @dataclass(kw_only=True)

@@ -39,10 +39,10 @@ from torch import nn
 import prism_megatron
 from prism_megatron.config import ConfigError
 from prism_megatron.config.flags import OneLineParser, add_megatron_args, add_prism_args, config_from_args
+from prism_megatron.resources import CONFIG_DIR, package_path
 from prism_megatron.util import prepare_process
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DS_CONFIG = os.path.join(REPO, "configs", "deepspeed", "zero2.json")
+DEFAULT_DS_CONFIG = str(CONFIG_DIR / "deepspeed" / "zero2.json")
 
 
 AUX_LOSS_COEFF = 1e-2  # DeepSpeed-MoE's load-balancing loss weight (Megatron's --moe-aux-loss-coeff)
@@ -174,7 +174,7 @@ def ds_config(args, cfg, dp: int) -> dict:
     """The DeepSpeed config: the file, with the batch from the flags and `--zero-stage` applied."""
     path = args.deepspeed_config or cfg.train.deepspeed_config or DEFAULT_DS_CONFIG
     if not os.path.isabs(path) and not os.path.exists(path):
-        path = os.path.join(REPO, path)  # a config's repository-relative path
+        path = str(package_path(path))  # a shipped one, as `configs/deepspeed/zero3.json` names it
     try:
         with open(path) as handle:
             data = json.load(handle)
