@@ -380,7 +380,7 @@ def _cmd_calibrate(args) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no GPU is visible; use --device cpu")
-    nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() if device == "cuda" else 2)
     if nproc < 2 or (device == "cuda" and nproc > torch.cuda.device_count()):
         limit = f" and at most the {torch.cuda.device_count()} GPUs" if device == "cuda" else ""
         raise ConfigError(f"--nproc {nproc}: expected 2 or more processes{limit}")
@@ -414,7 +414,26 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
+    from prism_megatron.config.loader import check_config_file
     from prism_megatron.sweep.cli import sweep_command
+
+    config_file = args.config if args.script else _config_file(args.config)
+    if config_file:  # every point reads it: a broken file is one error, not one skipped point each
+        check_config_file(config_file)
+    if not args.script:  # a point that does not validate is skipped; a sweep of only those is a typo
+        from prism_megatron.config.job import job_config
+        from prism_megatron.sweep.run import expand
+
+        errors = []
+        for point in expand(list(args.overrides)):
+            try:
+                job_config(["emulation.sandbox_ranks=[]", *point], config_file, None)
+                break
+            except ConfigError as err:
+                errors.append(err)
+        else:
+            raise ConfigError(f"none of the sweep's {len(errors)} point(s) is a valid config; the first: "
+                              f"{errors[0]}")
 
     return sweep_command(args)
 
@@ -448,6 +467,41 @@ def _cmd_report(args) -> int:
         rows = [{"figure": a, "value": b, "from": c} for a, b, c in headline(data)]
         atomic_write_text(args.json, json.dumps({"html": page, "markdown": text, "headline": rows}, indent=1))
     return 0
+
+
+OUTPUT_FILES = ("json", "csv", "perfetto", "heatmap")
+OUTPUT_DIRS = ("out", "chakra")
+"""The options that name what a command writes: checked before it does any work."""
+
+
+def _check_outputs(args) -> None:
+    """Refuse, before any work, an output that cannot be written: below a regular file, in a folder
+    this process may not write, or a file where a folder is meant (and the reverse). A probe file is
+    made and removed in the nearest folder that exists; nothing is created for the output itself."""
+    import tempfile
+
+    for option in (*OUTPUT_FILES, *OUTPUT_DIRS):
+        value = getattr(args, option, None)
+        if not value:
+            continue
+        folder = option in OUTPUT_DIRS and not (args.command == "calibrate" and option == "out")
+        path = Path(value)
+        if path.exists() and path.is_dir() != folder:
+            raise ConfigError(f"--{option} {value}: is {'a file' if path.is_file() else 'a folder'}, expected "
+                              f"{'a folder' if folder else 'a file'} path; give another path")
+        parent = path if folder else path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"--{option} {value}: cannot be written, {parent} is a file, not a folder; give "
+                              "a path in a folder you can write")
+        try:
+            with tempfile.TemporaryFile(dir=parent):
+                pass
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise ConfigError(f"--{option} {value}: cannot be written ({reason} in {parent}); give a path "
+                              "in a folder you can write") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -492,6 +546,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "moe-check": _cmd_moe_check, "sweep": _cmd_sweep, "report": _cmd_report,
                 "faults": _cmd_faults}
     try:
+        _check_outputs(args)
         return commands[args.command](args)
     except (ConfigError, GraphFileError) as err:
         print(f"prism-megatron: error: {err}", file=sys.stderr)

@@ -144,9 +144,39 @@ class Calibration:
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
+        """Parse a calibration file; ValueError (one line) when it is not one `calibrate` writes."""
         data = json.loads(text)
-        return cls(points=list(data.get("points", [])), fits=dict(data.get("fits", {})),
-                   device=data.get("device", ""))
+        if not isinstance(data, dict) or not isinstance(data.get("points", []), list) \
+                or not isinstance(data.get("fits"), dict):
+            raise ValueError('expected an object {"device": ..., "points": [...], "fits": {"OP/LINK/N": '
+                             '{"segments": [...]}}}')
+        points = data.get("points", [])
+        if not data["fits"] and not points:
+            raise ValueError("it holds no measured point and no fitted collective: nothing to calibrate with")
+        if not all(_is_point(p) for p in points):
+            raise ValueError('a point is not {"op": str, "link": str, "n": int, "bytes": int, "time_s": > 0}')
+        for key, fit in data["fits"].items():
+            segments = fit.get("segments") if isinstance(fit, dict) else None
+            if not isinstance(segments, list) or not segments or not all(_is_segment(s) for s in segments):
+                raise ValueError(f"fit {key!r} has no segments of finite from_bytes >= 0, latency_s >= 0 "
+                                 "and busbw_Bps > 0")
+        return cls(points=list(data.get("points", [])), fits=dict(data["fits"]),
+                   device=str(data.get("device", "")))
+
+
+def _is_point(p) -> bool:
+    return isinstance(p, dict) and isinstance(p.get("op"), str) and isinstance(p.get("link"), str) \
+        and isinstance(p.get("n"), int) and isinstance(p.get("bytes"), int) \
+        and isinstance(p.get("time_s"), (int, float)) and 0 < p["time_s"] < math.inf
+
+
+def _is_segment(seg) -> bool:
+    def number(key: str) -> float:
+        value = seg.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+    return isinstance(seg, dict) and number("from_bytes") >= 0 and 0 <= number("latency_s") < math.inf \
+        and 0 < number("busbw_Bps") < math.inf
 
 
 @dataclass

@@ -12,7 +12,8 @@ import os
 from dataclasses import replace
 from typing import Iterable, Optional
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prism_megatron.config.schema import SECTIONS, ConfigError, ModelConfig, PrismConfig
@@ -72,8 +73,8 @@ def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None
         layers = [base]
         if config_file is not None:
             if not os.path.isfile(config_file):
-                raise ConfigError(f"config file {config_file!r} does not exist; give a YAML path")
-            file_cfg = OmegaConf.load(config_file)
+                raise ConfigError(f"config file {config_file!r} {_not_a_file(config_file)}; give a YAML path")
+            file_cfg = _read_yaml(config_file)
             if presets and "model" in file_cfg:
                 # `model=NAME` on the command line chooses the model as a Hydra config group does:
                 # the file's model (its preset and its fields) gave way, the command line's wins
@@ -92,6 +93,47 @@ def load_config(overrides: Iterable[str] = (), config_file: Optional[str] = None
         where = f"{key}: " if key and key not in first else ""  # which key a bad value was given to
         raise ConfigError(f"invalid config: {where}{first}{_close_match(first)}; see `prism-megatron config "
                           "--keys`") from None
+
+
+def check_config_file(path: str) -> None:
+    """Fail fast (one ConfigError line) on a config file that is missing, not YAML, or has a key or
+    value type the schema does not know; the checks across keys wait for the overrides."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} {_not_a_file(path)}; give a YAML path")
+    file_cfg = _read_yaml(path)
+    try:
+        if isinstance(file_cfg.get("model"), str):
+            _preset(file_cfg.pop("model"))
+        OmegaConf.merge(OmegaConf.structured(PrismConfig), file_cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid config file {path!r}: {str(err).strip().splitlines()[0]}"
+                          f"{_close_match(str(err))}; see `prism-megatron config --keys`") from None
+
+
+def _not_a_file(path: str) -> str:
+    return "is a folder, not a file" if os.path.isdir(path) else "does not exist"
+
+
+def _read_yaml(path: str):
+    """The config file as an omegaconf mapping, or one ConfigError line saying where it is broken."""
+    try:
+        cfg = OmegaConf.load(path)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {err.start}: {err.reason}); save "
+                          "it as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}: {problem}; fix it (indent with "
+                          "spaces, not tabs; each key once)") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path!r} cannot be read ({err.strerror}); give a readable YAML "
+                          "file") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"config file {path!r} holds a list, expected a mapping of sections (parallel:, "
+                          "model:, train: ...); see `prism-megatron config --keys`")
+    return cfg
 
 
 def _close_match(message: str) -> str:

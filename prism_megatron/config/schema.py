@@ -290,6 +290,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require_positive("train", micro_batch_size=self.micro_batch_size,
                           global_batch_size=self.global_batch_size, iters=self.iters)
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < float("inf"):
+            raise ConfigError(f"train.lr={self.lr!r}: expected a finite learning rate > 0, e.g. 1.0e-4")
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size({self.global_batch_size}) is not divisible by "
@@ -430,6 +432,11 @@ class PrismConfig:
         if self.moe.imbalance != "none" and not self.model.num_experts:
             raise ConfigError(f"moe.imbalance={self.moe.imbalance!r} needs an MoE model: set "
                               "model.num_experts (or model=tiny_moe)")
+        hot = self.moe.model()
+        if hot.kind == "hot-experts" and self.model.num_experts and hot.params[0] > self.model.num_experts:
+            raise ConfigError(f"moe.imbalance={self.moe.imbalance!r}: {int(hot.params[0])} hot experts of "
+                              f"model.num_experts({self.model.num_experts}); choose at most "
+                              f"{self.model.num_experts}")
         e = self.emulation
         if e.clock == "realtime" and (e.delay_plan is None or e.virtual_world_size is None
                                       or self.trace.path is None):

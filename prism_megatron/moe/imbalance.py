@@ -31,6 +31,7 @@ counts sum to T*k exactly and are feasible for a routing map (`routing_map`).
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -84,7 +85,7 @@ class Imbalance:
             params = tuple(float(x) for x in m.group(2).split(",")) if m.group(2) else ()
         except ValueError:
             params = None
-        if params is None or len(params) != _ARITY[kind]:
+        if params is None or len(params) != _ARITY[kind] or not all(math.isfinite(x) for x in params):
             raise ImbalanceError(f"moe.imbalance={spec!r}: {kind} takes {_ARITY[kind]} number(s), e.g. "
                                  f"{_example(kind)}")
         if kind in ("zipf", "dirichlet") and params[0] <= 0:
@@ -94,8 +95,9 @@ class Imbalance:
         if bad_hot:
             raise ImbalanceError(f"moe.imbalance={spec!r}: expected hot-experts(h, p) with an integer h >= 1 "
                                  "and 0 <= p <= 1, e.g. hot-experts(2, 0.5)")
-        if drift_per_iteration < 0:
-            raise ImbalanceError(f"moe.drift_per_iteration={drift_per_iteration}: expected >= 0")
+        if not 0 <= drift_per_iteration < math.inf:  # NaN too
+            raise ImbalanceError(f"moe.drift_per_iteration={drift_per_iteration}: expected a finite number "
+                                 ">= 0 (experts per iteration; 0: a fixed popularity order)")
         return cls(kind=kind, params=params, seed=int(seed), drift_per_iteration=float(drift_per_iteration))
 
     @property

@@ -61,6 +61,9 @@ def load_report(run_dir: str) -> ReportData:
         summary = json.loads(path.read_text())
     except ValueError as err:
         raise ConfigError(f"{path} is not a summary JSON ({err}); run it again") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("sandbox", []), list):
+        raise ConfigError(f"{path} is not a summary of `run` or `emulate` (expected an object with a "
+                          "sandbox list); pass the --out directory of one of them")
     graph_path = summary.get("graph_path") or str(root / "capture" / "graph.prism")
     if not Path(graph_path).is_file():
         raise ConfigError(f"{path} names no captured graph ({graph_path} is missing); the report needs it")
@@ -69,9 +72,13 @@ def load_report(run_dir: str) -> ReportData:
     peaks = np.zeros(world.world_size, dtype=np.int64)
     for role, g in graph.roles.items():
         peaks[np.asarray(world.role_members(role), dtype=np.int64)] = int(g.peak_bytes)
-    sandboxes = [int(row["virtual_rank"]) for row in summary.get("sandbox", [])]
-    for row in summary.get("sandbox", []):
-        peaks[int(row["virtual_rank"])] = int(row["peak_allocated_bytes"])
+    try:
+        sandboxes = [int(row["virtual_rank"]) for row in summary.get("sandbox", [])]
+        for row in summary.get("sandbox", []):
+            peaks[int(row["virtual_rank"])] = int(row["peak_allocated_bytes"])
+    except (TypeError, KeyError, ValueError, IndexError) as err:
+        raise ConfigError(f"{path}: a sandbox row is damaged ({type(err).__name__}: {err}); run it "
+                          "again") from None
     trace = summary.get("perfetto")
     return ReportData(source=path, summary=summary, rank_peak_bytes=peaks, sandbox_ranks=sandboxes,
                       moe_tokens=_moe_matrix(graph), timeline=_timeline(trace), perfetto=trace)

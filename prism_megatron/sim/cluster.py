@@ -8,6 +8,7 @@ unidirectional, in GB/s (1e9 bytes/s); NIC speeds in Gb/s as vendors quote them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -65,9 +66,19 @@ class ClusterConfig:
         for f in ("gpus_per_node", "nvlink_domain", "nodes_per_leaf"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
                 raise ConfigError(f"cluster.{f}={getattr(self, f)!r}: expected a positive integer")
-        for f in ("gpu_memory_bytes", "peak_tflops", "nvlink_GBps", "nic_Gbps", "oversubscription"):
-            if not getattr(self, f) > 0:
-                raise ConfigError(f"cluster.{f}={getattr(self, f)!r}: expected a positive number")
+        for f in ("gpu_memory_bytes", "peak_tflops", "nvlink_GBps", "nic_Gbps", "oversubscription",
+                  "switch_latency_us"):
+            value = getattr(self, f)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            low_ok = number and (value >= 0 if f == "switch_latency_us" else value > 0)
+            if not (low_ok and value < math.inf):  # NaN fails both
+                raise ConfigError(f"cluster.{f}={value!r}: expected a finite number > 0"
+                                  f"{' (or 0)' if f == 'switch_latency_us' else ''}")
+        if not isinstance(self.nvls, bool):
+            raise ConfigError(f"cluster.nvls={self.nvls!r}: expected true or false")
+        for f in ("name", "gpu"):
+            if not isinstance(getattr(self, f), str):
+                raise ConfigError(f"cluster.{f}={getattr(self, f)!r}: expected a string")
         if self.oversubscription < 1:
             raise ConfigError(f"cluster.oversubscription={self.oversubscription}: expected >= 1 "
                               "(1 is non-blocking, 2 means half the bandwidth through the spine)")
@@ -87,7 +98,18 @@ def load_cluster(spec: str, overrides: Optional[dict] = None) -> ClusterConfig:
     if not path.is_file():
         shipped = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
         raise ConfigError(f"cluster {spec!r} not found; use one of {shipped} or a YAML file path")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"cluster file {path} is not readable YAML{where}: {problem}; fix it (UTF-8, "
+                          "spaces not tabs) or use a shipped cluster") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster file {path} holds a {type(data).__name__}, expected a mapping of "
+                          f"cluster keys ({', '.join(f.name for f in fields(ClusterConfig))})")
     data.update(overrides or {})
     known = {f.name for f in fields(ClusterConfig)}
     unknown = sorted(set(data) - known)

@@ -101,7 +101,7 @@ def parse_overrides(overrides: list[str]) -> SimOverrides:
             except ValueError:
                 raise ConfigError(f"override {item!r}: expected slowdown.<rank>=<factor>, e.g. "
                                   "slowdown.4711=1.5") from None
-            if factor <= 0:
+            if not 0 < factor < float("inf"):  # NaN too
                 raise ConfigError(f"override {item!r}: a slowdown factor must be > 0 (1.5 = 50% slower)")
             out.slowdown[rank] = factor
         else:

@@ -85,6 +85,9 @@ _SOURCE: dict[Dim, tuple[str, str]] = {
 
 # Tokens megatron's RankGenerator knows; any permutation (size-1 tokens may be left out).
 _ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+MAX_WORLD_SIZE = 1 << 20
+"""The largest virtual world accepted (1,048,576 ranks): rank tables are arrays of N entries, so a
+mistyped size (2**30) would otherwise run until memory is gone instead of failing at once."""
 
 # coords() keys -> the dim whose in-group index is that coordinate.
 _COORD_DIMS = {
@@ -167,6 +170,9 @@ class VirtualWorld:
         if bad:
             # Divisibility of non-integers or zero means nothing; report only this.
             return [f"sizes must be positive integers, got {', '.join(bad)}; set each to 1 or more"]
+        if self.world_size > MAX_WORLD_SIZE:
+            return [f"world_size {self.world_size} is more than the {MAX_WORLD_SIZE} ranks this emulator "
+                    "models; choose a smaller virtual world"]
 
         problems = []
         n = self.world_size
