@@ -401,15 +401,27 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _check_fault_specs(text: Optional[str]) -> None:
+    """`--faults SPEC` read before any work (its ranks are checked against the graph's world later)."""
+    from prism_megatron.faults.spec import FaultError, parse_faults
+
+    try:
+        parse_faults(text)
+    except FaultError as err:
+        raise ConfigError(f"--faults: {err}") from None
+
+
 def _cmd_emulate(args) -> int:
     from prism_megatron.emulate.cli import emulate_command
 
+    _check_fault_specs(args.faults)
     return emulate_command(args)
 
 
 def _cmd_run(args) -> int:
     from prism_megatron.emulate.cli import run_command
 
+    _check_fault_specs(args.faults)
     return run_command(args)
 
 

@@ -405,6 +405,8 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("run--workers-zero", "run", *WORLD8, "--out", "{out}", "--workers", "0")
     add("run--sandbox-bogus", "run", *WORLD8, "--out", "{out}", "--sandbox", "hottest")
     add("run--clock-wall", "run", *WORLD8, "--out", "{out}", "--clock", "wall")
+    add("run--faults-bad", "run", *WORLD8, "--out", "{out}", "--faults", "slow(x)")
+    add("run--faults-unknown", "run", *WORLD8, "--out", "{out}", "--faults", "melt(0, 2)")
     add("moe-check-dense", "moe-check", *WORLD8, "--out", "{out}")
     add("moe-check--capacity-x", "moe-check", *MOE8, "moe.imbalance=zipf(1.2)", "--out", "{out}",
         "--capacity", "lots")
@@ -465,6 +467,8 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("emulate--device-tpu", "emulate", "{graph.prism}", "--out", "{out}", "--device", "tpu")
     add("emulate-cluster", "emulate", "{graph.prism}", "cluster=dgx_h900", "--out", "{out}")
     add("emulate-slowdown", "emulate", "{graph.prism}", "slowdown.0=2", "--out", "{out}")
+    add("emulate--faults-bad", "emulate", "{graph.prism}", "--out", "{out}", "--faults", "slow(x)")
+    add("emulate--faults-factor", "emulate", "{graph.prism}", "--out", "{out}", "--faults", "slow(0, -1)")
     add("emulate-calibration", "emulate", "{graph.prism}", "calibration={calib_list.json}", "--out", "{out}")
     add("emulate--out-unwritable", "emulate", "{graph.prism}", "--out", "{unwritable}")
     add("emulate--json-unwritable", "emulate", "{graph.prism}", "--out", "{out}", "--json", "{unwritable}")
