@@ -357,3 +357,20 @@ def test_a_moe_slice_records_tokens_per_local_expert_and_aten_ops_on_request(tmp
     names = [graph.string(int(i)) for i in g.columns["name"]]
     assert any("/aten.mm" in n or "/aten.addmm" in n for n in names)
     assert any(n.startswith("decoder.layers.0.mlp/aten.") for n in names)
+
+
+def test_the_merged_graph_says_where_its_slices_ran_not_where_the_parent_guessed():
+    """Under train.device=auto each slice picks its own device; the merge takes the slices' word
+    (a GPU capture merged as fake would take the shorter of two probes' real durations)."""
+    from pathlib import Path
+
+    from prism_megatron.capture.run import CaptureFailed, Slice, _ran_on
+    from prism_megatron.world import Role
+
+    def ran(rank, device, execution):
+        return Slice(role=Role(pp=rank, tp=0, cp=0, ep=0, etp=0), rank=rank, path=Path(f"rank{rank}.prism"), device=device,
+                     execution=execution)
+
+    assert _ran_on([ran(0, "cuda", "real"), ran(1, "cuda", "real")]) == ("cuda", "real")
+    with pytest.raises(CaptureFailed, match="rank 1: fake on cpu"):
+        _ran_on([ran(0, "cuda", "real"), ran(1, "cpu", "fake")])

@@ -74,6 +74,7 @@ def test_fake_and_real_capture_give_the_same_graph(captures, rank):
     # the allocator rounds every block to 512 bytes and reserves whole segments
     assert g_fake.peak_bytes >= g_real.peak_bytes and g_fake.peak_reserved_bytes >= g_fake.peak_bytes
     assert fake.meta["execution"] == "fake" and fake.meta["device"] == "fake:h200"
+    assert real.meta["execution"] == "real" and real.meta["device"] == "cpu"
 
 
 def test_a_fake_class_takes_the_shorter_of_its_two_probes_node_by_node(captures):

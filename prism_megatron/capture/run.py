@@ -61,6 +61,9 @@ class Slice:
     strings: list[str] = field(default_factory=list)
     host_bound: Optional[dict] = None
     """How far the slice ran host-bound on a device clock (trace/recorder.py); None on host clocks."""
+    device: str = "?"
+    """Where the slice ran (`cuda`, `cpu`) and how: its recorder's meta, not a guess of the parent's."""
+    execution: str = "?"
 
 
 @dataclass
@@ -181,6 +184,7 @@ class Capture:
                 f"{self.cfg.train.micro_batch_size} x dp {self.world.dp})); give the script's "
                 "--micro-batch-size and --global-batch-size (or train.* overrides) that it uses")
         s.host_bound = g.meta.get("host_bound")
+        s.device, s.execution = str(g.meta.get("device", "?")), str(g.meta.get("execution", "?"))
         return True
 
     def _command(self, s: Slice) -> list[str]:
@@ -309,9 +313,7 @@ class Capture:
             if s.graph is not None:
                 mapping = np.asarray([table(x) for x in s.strings], dtype="i4")
                 remapped[role] = s.graph.remap_strings(mapping)
-        from prism_megatron.hooks.fake import resolve_execution
-
-        execution = resolve_execution(self.cfg, self.device if self.device != "auto" else "cpu")
+        device, execution = _ran_on([s for s in slices.values() if s.graph is not None])
         if execution == "fake":
             for c in classes:
                 if verdicts[c.key] and len(c.probes) == 2 and all(p in remapped for p in c.probes):
@@ -333,12 +335,24 @@ class Capture:
                     inferred.append(str(role))
         meta = {"config": self.config_text, "microbatches": self.microbatches,
                 "classes": {c.key: [str(r) for r in c.probes] for c in classes},
-                "device": f"fake:{self.cfg.emulation.target_gpu}" if execution == "fake" else self.device,
+                "device": f"fake:{self.cfg.emulation.target_gpu}" if execution == "fake" else device,
                 "execution": execution,
                 "host_bound_share": {str(r): share for r, share in _host_bound_shares(
                     [s for s in slices.values() if s.graph is not None]).items()}}
         ordered = {r: roles[r] for r in self.world.roles()}
         return ExecutionGraph(world=self.world, roles=ordered, strings=table.strings, meta=meta), inferred
+
+
+def _ran_on(slices: list[Slice]) -> tuple[str, str]:
+    """The device and execution (real, fake) every slice reports having run with. The parent does not
+    guess it: under `train.device=auto` a slice resolves its device itself (a GPU where one is
+    visible), and a merge that assumed the CPU took a GPU capture for a fake one."""
+    seen = {(s.device, s.execution) for s in slices}
+    if len(seen) != 1:
+        named = ", ".join(f"rank {s.rank}: {s.execution} on {s.device}" for s in slices)
+        raise CaptureFailed(f"the slices ran on different devices or executions ({named}); capture "
+                            "with one train.device and emulation.execution for every slice")
+    return seen.pop()
 
 
 def _host_bound_shares(slices: list[Slice]) -> dict[int, float]:
