@@ -140,6 +140,9 @@ def _write_launch_summary(inst, script: str, path: Optional[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from prism_megatron import procs
+
+    procs.adopt()  # a torchrun worker of a job this tool started dies with torchrun
     argv = list(sys.argv[1:] if argv is None else argv)
     nproc = 1
     if argv[:1] == ["--nproc-per-node"] or (argv and argv[0].startswith("--nproc-per-node=")):
@@ -157,11 +160,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               "[--nproc-per-node P] -- SCRIPT [args]", file=sys.stderr)
         return 2
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        import subprocess
-
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "-m", "prism_megatron.launch", *argv]
-        return subprocess.call(cmd)
+        return procs.call(cmd)
     return run(argv[0], argv[1:])
 
 

@@ -41,9 +41,14 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never half."""
+    """Write `data` to `path` so that readers see the old file or the whole new one, never half.
+
+    Where the file system can (Linux `O_TMPFILE`), the data is written to a file with no name, which
+    is named only once whole: a process killed while writing leaves nothing behind."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    if _write_unnamed(directory, path, data):
+        return
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -58,6 +63,40 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _write_unnamed(directory: str, path: str, data: bytes) -> bool:
+    """`data` to `path` through an `O_TMPFILE` file linked in once written; False where that is not
+    available (then nothing was written)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not os.path.isdir("/proc/self/fd"):
+        return False
+    try:
+        fd = os.open(directory, flag | os.O_WRONLY, 0o666)  # the umask applies, as for open()
+    except OSError:
+        return False
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        try:  # linkat(AT_SYMLINK_FOLLOW), which os.link uses only given a directory fd
+            fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.link(str(fd), tmp, src_dir_fd=fds, follow_symlinks=True)
+            finally:
+                os.close(fds)
+        except OSError:
+            return False
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return True
+    finally:
+        os.close(fd)
 
 
 PHYSICAL_RANK_ENV = "PRISM_PHYSICAL_RANK"

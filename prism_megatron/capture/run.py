@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
+from prism_megatron import procs
 from prism_megatron.capture.plan import RoleClass, plan_classes
 from prism_megatron.config.job import TrainingJob
 from prism_megatron.config.loader import to_yaml
@@ -212,17 +213,17 @@ class Capture:
                     if s.path.exists():
                         s.path.unlink()
                     logf = open(s.path.with_suffix(".log"), "w")
-                    proc = subprocess.Popen(self._command(s), stdout=logf, stderr=subprocess.STDOUT,
-                                            env=self._env(slot), cwd=str(self.job.workdir))
+                    proc = procs.popen(self._command(s), stdout=logf, stderr=subprocess.STDOUT,
+                                       env=self._env(slot), cwd=str(self.job.workdir))
                     running[slot] = (proc, s, time.perf_counter(), logf)
                 time.sleep(0.05)
                 for slot, (proc, s, t0, logf) in list(running.items()):
                     rc = proc.poll()
                     if rc is None and time.perf_counter() - t0 > self.timeout_s:
-                        proc.kill()
-                        rc = proc.wait()
+                        rc = procs.kill(proc)
                     if rc is None:
                         continue
+                    procs.wait(proc)  # reaped: off the list of children to kill
                     logf.close()
                     del running[slot]
                     free.append(slot)
@@ -240,8 +241,7 @@ class Capture:
                             f"{s.path.with_suffix('.log')}")
         finally:
             for proc, _, _, logf in running.values():
-                proc.kill()
-                proc.wait()
+                procs.kill(proc)
                 logf.close()
 
     # -- the capture ---------------------------------------------------------------------------

@@ -99,8 +99,14 @@ def _time_op(dist, torch, op: str, nbytes: int, members: list[int], group, rank:
 
 def _worker(rank: int, world: int, device: str, port: int, sizes: list[int], out_path: str,
             min_time_s: float) -> None:
+    import multiprocessing
+
     import torch
     import torch.distributed as dist
+
+    from prism_megatron import procs
+
+    procs.die_with_parent(multiprocessing.parent_process().pid)  # spawned: no preexec hook to do it
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))

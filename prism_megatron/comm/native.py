@@ -49,6 +49,11 @@ import numpy as np
 
 CSRC = Path(__file__).with_name("csrc")
 NAME = "prism_native"
+PEER_MARK = "prism: no answer from sandbox rank"
+"""How the error of a wait on another sandbox that never answered starts (csrc/backend.cpp
+`peer_error`, comm/session.py); `emulate` looks for it in the sandboxes' log."""
+PEER_LOST_SIGNS = ("imed out", "imeout", "onnection closed", "onnection reset", "roken pipe")
+"""What gloo, NCCL and the store say when the other side of a wait did not answer or went away."""
 ENTRY_DTYPE = np.dtype([("kind", "i1"), ("op", "i1"), ("flags", "i1"), ("dtype", "i1"), ("group", "<i4"),
                         ("peer_delta", "<i4"), ("ordinal", "<i4"), ("value", "<i8"), ("mark", "<i8"),
                         ("t", "<f8"), ("mark2", "<i8"), ("t2", "<f8"), ("stream", "<i8"), ("mem", "<i8")])

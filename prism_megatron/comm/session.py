@@ -12,10 +12,11 @@ just those processes, with the group's own store prefix, so no process waits for
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +25,24 @@ import torch.distributed as dist
 from prism_megatron.comm import native as native_path
 from prism_megatron.comm.events import CommLog, GroupInfo, _Watched
 from prism_megatron.comm.ghost import GhostPolicy
+
+
+@contextlib.contextmanager
+def _naming_peers(phys: "PhysicalWorld", others: Sequence[int], where: str) -> Iterator[None]:
+    """A wait on the other sandboxes `others` that times out (or finds one gone) raises an error that
+    names them, as the native backend's waits do (csrc/backend.cpp `peer_error`)."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        text = str(err)
+        if not any(sign in text for sign in native_path.PEER_LOST_SIGNS):
+            raise
+        ranks = ", ".join(map(str, others))
+        raise dist.DistBackendError(
+            f"{native_path.PEER_MARK}{'s' if len(others) != 1 else ''} {ranks} to sandbox rank "
+            f"{phys.virtual_rank} in {where} within emulation.peer_timeout_s "
+            f"({phys.timeout.total_seconds():g} s): that sandbox stopped, hung or died (raise the "
+            f"timeout if it is only slow). {text.splitlines()[0] if text else ''}") from None
 
 
 @dataclass(kw_only=True)
@@ -147,7 +166,9 @@ class VirtualSession:
             collectives use CPU tensors even on GPU)."""
             real = [phys.physical_of(v) for v in members if phys.physical_of(v) is not None]
             prefixed = dist.PrefixStore(f"prism/inner/{device_type}/", store)
-            return phys.make_backend(prefixed, real, device_type)
+            others = [v for v in members if phys.physical_of(v) not in (None, phys.rank)]
+            with _naming_peers(phys, others, f"creating group {group_id}"):
+                return phys.make_backend(prefixed, real, device_type)
 
         backend = native_path.load().Backend(self.native, list(members), group_rank, index, group_id,
                                              phys.device_type, make_inner)
@@ -189,7 +210,9 @@ class VirtualSession:
         everyone = list(range(self.physical.size))
         for device_type in sorted({"cpu", self.physical.device_type}):
             store = dist.PrefixStore(f"prism/p2p/{device_type}/", self.physical.store)
-            self.p2p_backends[device_type] = self.physical.make_backend(store, everyone, device_type)
+            others = [v for v in self.physical.sandbox_ranks if v != self.virtual_rank]
+            with _naming_peers(self.physical, others, "connecting the sandboxes for send/recv"):
+                self.p2p_backends[device_type] = self.physical.make_backend(store, everyone, device_type)
             self.native.set_p2p(device_type, self.p2p_backends[device_type])
 
     def dim_of(self, members: Sequence[int]) -> str:

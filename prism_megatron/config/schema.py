@@ -80,9 +80,17 @@ class EmulationConfig:
     count (Megatron-LM's `--train-iters`); 0: the script's own count. Capture slices and emulation
     sandboxes of a script given after `--` stop after `SCRIPT_ITERATIONS` unless this is set."""
 
+    peer_timeout_s: float = 60.0
+    """Longest a sandbox waits for another sandbox in one communication operation (or building a
+    group) before it fails with an error naming that peer (a peer stopped, hung or died); the
+    script's own process-group timeout wins where it is shorter."""
+
     def __post_init__(self) -> None:
         _require_positive("emulation", virtual_world_size=self.virtual_world_size,
                           gpus_per_node=self.gpus_per_node)
+        if not isinstance(self.peer_timeout_s, (int, float)) or not 0 < self.peer_timeout_s < float("inf"):
+            raise ConfigError(f"emulation.peer_timeout_s={self.peer_timeout_s!r}: expected a finite number "
+                              "of seconds > 0 (60 by default)")
         if not isinstance(self.stop_after, int) or self.stop_after < 0:
             raise ConfigError(f"emulation.stop_after={self.stop_after!r}: expected an iteration count "
                               ">= 0 (0: the script's own count)")

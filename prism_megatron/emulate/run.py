@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from prism_megatron import procs
 from prism_megatron.config.job import TrainingJob
 from prism_megatron.config.schema import ConfigError, TrainConfig
 from prism_megatron.emulate.holds import Hold, holds, write_plan
@@ -286,11 +287,9 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
     env = job.env(job_env(cpu=device == "cpu"))
     log = out / "run.log"
     with open(log, "w") as handle:
-        try:
-            rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(job.workdir),
-                                timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc, lost = _run_job(cmd, handle, env, str(job.workdir), timeout_s, log)
+    if lost:
+        raise EmulationFailed(f"the sandbox job (ranks {ranks}) failed: {lost}; see {log}")
     if rc != 0:
         raise EmulationFailed(f"the sandbox job (ranks {ranks}) failed ({rc}); see {log}")
     graphs = {}
@@ -309,6 +308,47 @@ def run_sandboxes(config_yaml: str, ranks: list[int], out: Path, *, device: str,
         if meta is not None:
             meta[r] = dict(g.meta)
     return graphs
+
+
+def _run_job(cmd: list[str], handle, env: dict, cwd: str, timeout_s: float, log: Path) -> tuple:
+    """Run the sandbox job, its output to `handle` (the file `log`); (its exit status or "timeout",
+    the line of a sandbox that found another one stopped or gone, or None). The job ends as soon as
+    that line appears: the other sandboxes would wait for the stopped one, and torchrun gives a
+    stopped worker its 30 s of SIGTERM grace before it kills it."""
+    proc = procs.popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    deadline = time.monotonic() + timeout_s
+    mark = native.PEER_MARK.encode()
+    seen, tail = 0, b""
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            with open(log, "rb") as reader:
+                reader.seek(seen)
+                fresh = reader.read()
+            seen += len(fresh)
+            *lines, tail = (tail + fresh).split(b"\n")
+            lost = next((line for line in lines if mark in line), None)
+            if lost is not None:
+                procs.kill(proc)
+                return "lost", _peer_line(lost)
+            if time.monotonic() > deadline:
+                procs.kill(proc)
+                return "timeout", None
+    except BaseException:
+        procs.kill(proc)
+        raise
+    procs.wait(proc)
+    lost = next((line for line in log.read_bytes().splitlines() if mark in line), None)
+    return rc, _peer_line(lost) if lost is not None else None
+
+
+def _peer_line(line: bytes) -> str:
+    text = line.decode(errors="replace")
+    return text[text.index(native.PEER_MARK):].strip()
 
 
 def _with_script(config_yaml: str, tokens: Optional[list[str]]) -> str:

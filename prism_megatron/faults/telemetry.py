@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Optional
 
+from prism_megatron import procs
+
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 # nvidia-smi's clock-event reason bits: SW power cap, HW slowdown, HW thermal, SW thermal, HW power brake
 CAPS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
@@ -64,8 +66,8 @@ def _figures(samples: list[dict]) -> dict:
 
 def sample_during(cmd: list[str], gpu: int = 0, period_ms: int = 100) -> tuple[int, dict]:
     """Run `cmd`, sampling GPU `gpu`; returns (cmd's exit code, {"samples": [...], "summary": {...}})."""
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
-                            f"--id={gpu}", f"-lms={period_ms}"], stdout=subprocess.PIPE, text=True)
+    smi = procs.popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
+                       f"--id={gpu}", f"-lms={period_ms}"], stdout=subprocess.PIPE, text=True)
     t0 = time.perf_counter()
     lines: list[str] = []
     stamps: list[float] = []
@@ -78,10 +80,10 @@ def sample_during(cmd: list[str], gpu: int = 0, period_ms: int = 100) -> tuple[i
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        code = subprocess.call(cmd)
+        code = procs.call(cmd)
     finally:
         smi.terminate()
-        smi.wait(timeout=10)
+        procs.wait(smi, timeout=10)
         reader.join(timeout=10)
     samples = parse(lines, t0, stamps)
     return code, {"command": cmd, "gpu": gpu, "period_ms": period_ms, "samples": samples,

@@ -105,6 +105,11 @@ def make_init_process_group(original: Callable, emulation: EmulationConfig,
         timeout = timeout or timedelta(minutes=30)
         store, p_rank, p_size = _physical_rendezvous(init_method, world_size, rank, store, timeout,
                                                      emulation)
+        # after the rendezvous (processes may start minutes apart), a sandbox waits for another one
+        # at most this long: a stopped peer is an error naming it, not the group's 30 minutes
+        timeout = min(timeout, timedelta(seconds=emulation.peer_timeout_s))
+        if p_size > 1:
+            store.set_timeout(timeout)
         sandbox = tuple(emulation.sandbox_ranks) or tuple(range(p_size))
         if len(sandbox) != p_size:
             raise ConfigError(

@@ -212,6 +212,7 @@ def write_figures(path: str, figures: dict, **meta: Any) -> None:
 
 
 def _run_job(args: list[str], env_path: Path, log_path: Path, device: str, window_root: int) -> dict:
+    from prism_megatron import procs
     from prism_megatron.util import job_env
 
     env = job_env(cpu=False, **{ENV: str(env_path), WINDOW_ENV: str(window_root)})
@@ -219,7 +220,7 @@ def _run_job(args: list[str], env_path: Path, log_path: Path, device: str, windo
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env_path.unlink(missing_ok=True)  # a kept folder's earlier output is not this job's
     with open(log_path, "w") as handle:
-        rc = subprocess.run([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT, env=env).returncode
+        rc = procs.run([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT, env=env)
     if rc != 0 or not env_path.is_file():
         raise RuntimeError(f"host calibration job failed ({rc}); see {log_path}")
     return json.loads(env_path.read_text())

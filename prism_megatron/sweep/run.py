@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from prism_megatron import procs
 from prism_megatron.config.schema import ConfigError
 from prism_megatron.util import atomic_write_bytes, atomic_write_text
 
@@ -86,6 +87,7 @@ class Sweep:
         return point_id([*swept, "--", *self.script] if self.script else swept)
 
     def run(self, stream=sys.stderr) -> list[dict]:
+        procs.guard()  # the points' slices start from pool threads, which cannot set signal handlers
         self.out.mkdir(parents=True, exist_ok=True)
         rows = {r["point"]: r for r in read_results(self.out / "results.csv")}
         todo = [p for p in self.points if self._id(p) not in rows]

@@ -4,11 +4,39 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <ctime>
+#include <sstream>
 #include <thread>
 
 namespace prism {
 
 namespace {
+
+// What gloo/NCCL/the store say when the other side of a wait never answers or went away.
+bool peer_lost(const std::string& what) {
+  for (const char* sign : {"imed out", "imeout", "onnection closed", "onnection reset", "roken pipe"}) {
+    if (what.find(sign) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// The error of a wait on other sandboxes that failed because one of them did not answer: it names
+// them (virtual ranks) and the bound (comm/native.py PEER_MARK starts it; emulate looks for it).
+[[noreturn]] void peer_error(const Session& s, const std::vector<int64_t>& peers, const std::string& where,
+                             const std::string& what) {
+  std::ostringstream msg;
+  msg << "prism: no answer from sandbox rank";
+  if (peers.size() != 1) msg << "s";
+  for (size_t i = 0; i < peers.size(); ++i) msg << (i ? ", " : " ") << peers[i];
+  msg << " to sandbox rank " << s.sandbox_ranks[s.physical_rank] << " in " << where
+      << " within emulation.peer_timeout_s: that sandbox stopped, hung or died (raise the timeout if it is "
+         "only slow). " << what;
+  C10_THROW_ERROR(DistBackendError, msg.str());
+}
+
+std::string error_text(const std::exception& e) {
+  auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  return c10 ? c10->what_without_backtrace() : e.what();
+}
 
 int64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -99,7 +127,19 @@ bool Work::wait(std::chrono::milliseconds timeout) {
     session_->on_wait(id, 0);
   }
   bool blocked = inner_ && !inner_->isCompleted();
-  if (inner_) inner_->wait(timeout);
+  if (inner_) {
+    try {
+      inner_->wait(timeout);
+    } catch (const std::exception& e) {
+      std::string what = error_text(e);
+      if (!peer_lost(what)) throw;
+      std::vector<int64_t> others;  // a p2p between sandboxes: the others (its peer among them)
+      for (int64_t v : session_->sandbox_ranks) {
+        if (v != session_->sandbox_ranks[session_->physical_rank]) others.push_back(v);
+      }
+      peer_error(*session_, others, "a send/recv", what);
+    }
+  }
   if (record) trace->wait_end(id, epoch, first_ordinal, count, real_peer, at_once);
   if (listen) {
     py::gil_scoped_acquire gil;
@@ -273,7 +313,17 @@ void Backend::connect() {
 void Backend::wait_inner(const c10::intrusive_ptr<c10d::Work>& work) {
   // the CPU runtime's settle after a wait that blocked (see Work::wait)
   bool blocked = session->settle_after_wait_s > 0 && !work->isCompleted();
-  work->wait();
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    std::string what = error_text(e);
+    if (!peer_lost(what)) throw;
+    std::vector<int64_t> others;
+    for (int g : real) {
+      if (g != me) others.push_back(members[g]);
+    }
+    peer_error(*session, others, "a collective of group " + group_id, what);
+  }
   if (blocked) std::this_thread::sleep_for(std::chrono::duration<double>(session->settle_after_wait_s));
 }
 
