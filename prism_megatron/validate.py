@@ -121,18 +121,23 @@ def real_run(name: str, config: Path, world: int, device: str, warmup: int, out:
     allocator's cumulative counters per iteration (GPU)."""
     from prism_megatron.config.job import TrainingJob
     from prism_megatron.config.schema import TrainConfig
+    from prism_megatron import procs
     from prism_megatron.util import free_port, job_env
 
     job = TrainingJob.of(TrainConfig(**(yaml.safe_load(config.read_text()).get("train") or {})))
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
+    proc = procs.popen(
         job.command(["--prism-config", str(config.resolve()),
                      "--prism-summary-json", str(out.resolve() / "summary{rank}.json")],
                     nproc=world, master_port=free_port()),
-        capture_output=True, text=True, env=job.env(job_env(cpu=device == "cpu")), cwd=str(job.workdir),
-        timeout=3600)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job.env(job_env(cpu=device == "cpu")),
+        cwd=str(job.workdir))
+    try:
+        _, stderr = proc.communicate(timeout=3600)
+    finally:
+        procs.kill(proc)  # past the timeout, or interrupted: the job's group; else only forgotten
     if proc.returncode:
-        raise RuntimeError(f"{name}: real run failed: {proc.stderr[-3000:]}")
+        raise RuntimeError(f"{name}: real run failed: {stderr[-3000:]}")
     per_rank = [json.loads((out / f"summary{r}.json").read_text()) for r in range(world)]
     slowest = [max(x) / 1e3 for x in zip(*[s["iteration_times_ms"] for s in per_rank])]
     allocator = {s["virtual_rank"]: s.get("allocator_per_iteration") for s in per_rank}

@@ -21,6 +21,7 @@ from typing import Iterable
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from prism_megatron.graph.model import NO_PEER, ExecutionGraph, NodeKind
+from prism_megatron.util import atomic_write_bytes
 
 CHAKRA_VERSION = "0.0.4"
 NODE_TYPES = {"COMP_NODE": 4, "COMM_SEND_NODE": 5, "COMM_RECV_NODE": 6, "COMM_COLL_NODE": 7}
@@ -198,9 +199,6 @@ def write_chakra(graph: ExecutionGraph, ranks: Iterable[int], out_dir: str) -> l
     for rank in ranks:
         meta, nodes = chakra_messages(graph, rank)
         path = os.path.join(out_dir, f"et.{rank}.et")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as handle:
-            handle.write(encode([meta, *nodes]))
-        os.replace(tmp, path)
+        atomic_write_bytes(path, encode([meta, *nodes]))
         paths.append(path)
     return paths

@@ -20,7 +20,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 import zipfile
 from dataclasses import asdict
 
@@ -35,6 +34,7 @@ from prism_megatron.graph.model import (
     ExecutionGraph,
     RoleGraph,
 )
+from prism_megatron.util import atomic_write_bytes
 from prism_megatron.world import Role, VirtualWorld
 
 FORMAT = "prism-execution-graph"
@@ -84,22 +84,12 @@ def save_graph(graph: ExecutionGraph, path: str) -> None:
                                      **{k: getattr(role, k) for k in _GRAPH_FIELDS}})
         header["roles"].append({"role": asdict(role.role), "representative": role.representative,
                                 "source": role.source, "graph": index})
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-graph-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
-                zf.writestr("header.json", json.dumps(header))
-                for name, data in entries.items():
-                    zf.writestr(name, data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+        zf.writestr("header.json", json.dumps(header))
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    atomic_write_bytes(path, buffer.getvalue())  # a killed writer leaves no partial or temporary file
 
 
 def load_graph(path: str, *, check: bool = True) -> ExecutionGraph:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import time
 from typing import Any, Callable, Optional
@@ -369,10 +368,9 @@ def calibrate_kernels(out_path: str, ops_path: Optional[str] = None, quick: bool
         data["exact"] = replay_ops(torch, time_it, signatures, log)
     data["families"] = sweep_families(torch, time_it, log) if grid else {}
     data["gemm"] = sweep_gemms(torch, time_it, log, COARSE_SIZES if quick else BF16_SIZES) if grid else []
-    tmp = f"{out_path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, out_path)
+    from prism_megatron.util import atomic_write_text
+
+    atomic_write_text(out_path, json.dumps(data))
     log(f"kernel calibration of {props.name}: {len(data['gemm'])} GEMMs, "
         f"{sum(len(v) for v in data['families'].values())} family points, {len(data['exact'])} exact ops "
         f"-> {out_path}")

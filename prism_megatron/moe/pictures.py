@@ -8,9 +8,7 @@ table printed and written beside them gives the numbers and the axes.
 
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 import zlib
 
 import numpy as np
@@ -50,16 +48,9 @@ def write_rgb_png(path: str, rgb: np.ndarray) -> None:
 
     png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".png.tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(png)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from prism_megatron.util import atomic_write_bytes
+
+    atomic_write_bytes(path, png)
 
 
 def read_png_size(path: str) -> tuple[int, int]:
