@@ -303,9 +303,9 @@ def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatc
     again = Capture(config(), str(out), workers=2).run()
     assert (again.slices_run, again.slices_reused, again.retries) == (1, 1, 0)
     assert load_graph(again.graph_path).roles.keys() == load_graph(first.graph_path).roles.keys()
-    marker = out / "config.yaml"  # a capture by a version without trace.keep_iterations resumes
+    marker = out / "config.yaml"  # a capture by a version without these job-neutral keys resumes
     marker.write_text("".join(line for line in marker.read_text().splitlines(True)
-                              if "keep_iterations" not in line))
+                              if "keep_iterations" not in line and "peer_timeout_s" not in line))
     resumed = Capture(config(), str(out), workers=2).run()
     assert (resumed.slices_run, resumed.slices_reused) == (0, 2)
     with pytest.raises(ConfigError, match="another config"):

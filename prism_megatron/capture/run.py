@@ -377,10 +377,12 @@ def host_bound_warning(shares: dict[int, float]) -> Optional[str]:
 def _job_key(config_yaml: str) -> Optional[dict]:
     """A slice's config without what differs between slices (its rank, its trace path) or does not
     change the job (which recorded iteration becomes the graph, whether each iteration's durations
-    are kept beside it)."""
+    are kept beside it, how long a sandbox waits for a stopped peer): slices captured before such a
+    key existed stay reusable."""
     try:
         data = yaml.safe_load(config_yaml)
         data["emulation"].pop("sandbox_ranks", None)
+        data["emulation"].pop("peer_timeout_s", None)
         data["trace"].pop("path", None)
         data["trace"].pop("selection", None)
         data["trace"].pop("keep_iterations", None)
