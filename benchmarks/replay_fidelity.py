@@ -131,7 +131,7 @@ def main() -> int:
     parser.add_argument("--calibration", default=None, help="a gloo calibration (default: measure one)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     args = parser.parse_args()
-    from prism_megatron.comm.calibrate import calibrate
+    from prism_megatron.commands.calibrate import calibrate
     from prism_megatron.comm.cost import Calibration
     from prism_megatron.sim.cluster import load_cluster
 

@@ -43,10 +43,9 @@ from typing import Optional
 from prism_megatron import resources
 from prism_megatron.config import ConfigError, load_config, to_yaml
 from prism_megatron.config.flags import _SECTIONS, OneLineParser, field_docs
+from prism_megatron.config.job import config_file as _config_file
+from prism_megatron.config.job import job_of
 from prism_megatron.util import atomic_write_text
-
-DEFAULT_CONFIG = Path(os.environ.get("PRISM_DEFAULT_CONFIG") or resources.DEFAULT_CONFIG)
-"""The config used without --config (`PRISM_DEFAULT_CONFIG` names another, as the tests do)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -193,12 +192,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_file(arg: Optional[str]) -> Optional[str]:
-    if arg is not None:
-        return arg
-    return str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None
-
-
 def _cmd_train(args) -> int:
     example = resources.EXAMPLE_DIR / "pretrain_gpt.py"
     if not example.is_file():
@@ -265,19 +258,6 @@ def _cmd_config(args) -> int:
 
 SCRIPT_COMMANDS = ("capture", "emulate", "run", "sweep", "moe-check", "config")
 """The subcommands that take the job as `-- SCRIPT ARGS` (config/job.py)."""
-
-
-def job_of(args, overrides: Optional[list[str]] = None):
-    """The job config of a subcommand: `-- SCRIPT ARGS` when given (with `--config` only if named:
-    the built-in default describes the built-in job), else the config file and overrides. The
-    capture chooses the ranks it runs, so a config's sandbox ranks are cleared."""
-    from prism_megatron.config.job import job_config
-
-    overrides = list(args.overrides if overrides is None else overrides)
-    script = getattr(args, "script", None)
-    config_file = args.config if script else _config_file(args.config)
-    cfg = job_config(["emulation.sandbox_ranks=[]", *overrides], config_file, script)
-    return cfg
 
 
 def _cmd_capture(args) -> int:
@@ -375,7 +355,7 @@ def _cmd_calibrate(args) -> int:
     if args.ops or args.quick:
         raise ConfigError("--ops and --quick go with --kernels")
 
-    from prism_megatron.comm.calibrate import calibrate, parse_size
+    from prism_megatron.commands.calibrate import calibrate, parse_size
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -451,7 +431,7 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_moe_check(args) -> int:
-    from prism_megatron.moe.check import moe_check_command
+    from prism_megatron.commands.moe_check import moe_check_command
 
     return moe_check_command(args)
 

@@ -309,7 +309,7 @@ def _write(path: str, args, cluster: str, calibration_from: str, rows: list) -> 
 
 
 def _calibration(args, nproc: int, results_dir: Optional[Path]):
-    from prism_megatron.comm.calibrate import calibrate
+    from prism_megatron.commands.calibrate import calibrate
     from prism_megatron.comm.cost import Calibration
 
     path = args.calibration

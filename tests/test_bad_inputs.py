@@ -528,7 +528,7 @@ def tripwires(monkeypatch):
     import importlib.util
 
     import prism_megatron.capture.run as capture
-    import prism_megatron.comm.calibrate as calibrate
+    import prism_megatron.commands.calibrate as calibrate
     import prism_megatron.emulate.run as emulate
     import prism_megatron.sweep.run as sweep
 

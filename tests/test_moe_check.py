@@ -97,7 +97,7 @@ def test_replayed_routing_reads_each_source_ranks_own_log(tmp_path):
     """moe.imbalance=replay(...): the tokens a rank's experts receive add up each source rank's own
     logged routing (a cache keyed without the source gave every source the first one's log)."""
     from prism_megatron.config import load_config
-    from prism_megatron.moe.check import rank_tokens
+    from prism_megatron.commands.moe_check import rank_tokens
     from prism_megatron.world import VirtualWorld
 
     experts, tokens, topk, layers, microbatches = 8, 32, 2, 2, 2

@@ -243,7 +243,6 @@ def _split_sandbox(values: list[str]) -> tuple[list[int], list[str]]:
 
 
 def _resolve_roles(cfg: PrismConfig, names: list[str]) -> list[int]:
-    from prism_megatron.emulate.sandbox import stage_rank
     from prism_megatron.world import VirtualWorld
 
     p, e = cfg.parallel, cfg.emulation
@@ -251,4 +250,4 @@ def _resolve_roles(cfg: PrismConfig, names: list[str]) -> list[int]:
         raise ConfigError("--prism-sandbox-ranks with role names needs --prism-virtual-world-size")
     world = VirtualWorld(world_size=e.virtual_world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
                          vpp=p.vpp, order=p.order, gpus_per_node=e.gpus_per_node)
-    return [stage_rank(world, 0 if n == "first-stage" else world.pp - 1) for n in names]
+    return [world.stage_rank(0 if n == "first-stage" else world.pp - 1) for n in names]

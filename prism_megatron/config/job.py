@@ -35,7 +35,11 @@ from typing import Iterable, Optional
 
 from prism_megatron.config.flags import MEGATRON_FLAGS, config_from_args, split_prism_tokens
 from prism_megatron.config.schema import ConfigError, PrismConfig, TrainConfig
+from prism_megatron.resources import DEFAULT_CONFIG as _SHIPPED_DEFAULT_CONFIG
 from prism_megatron.resources import EXAMPLE_DIR
+
+DEFAULT_CONFIG = Path(os.environ.get("PRISM_DEFAULT_CONFIG") or _SHIPPED_DEFAULT_CONFIG)
+"""The config used without --config (`PRISM_DEFAULT_CONFIG` names another, as the tests do)."""
 
 EXAMPLE = EXAMPLE_DIR / "pretrain_gpt.py"
 DEEPSPEED_EXAMPLE = EXAMPLE_DIR / "deepspeed_train.py"
@@ -44,6 +48,24 @@ SCRIPT_ITERATIONS = 3
 """Iterations a capture slice or a sandbox of a user's script runs before the hooks end it, unless
 emulation.stop_after says otherwise: the first allocates and warms up, two-pass recording labels one
 iteration and times the next, and the last has no end."""
+
+
+def config_file(arg: Optional[str]) -> Optional[str]:
+    """The config file a subcommand reads: `--config`'s argument, else DEFAULT_CONFIG if it exists."""
+    if arg is not None:
+        return arg
+    return str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None
+
+
+def job_of(args, overrides: Optional[list[str]] = None) -> PrismConfig:
+    """The job config of a subcommand: `-- SCRIPT ARGS` when given (with `--config` only if named:
+    the built-in default describes the built-in job), else the config file and overrides. The
+    capture chooses the ranks it runs, so a config's sandbox ranks are cleared."""
+    overrides = list(args.overrides if overrides is None else overrides)
+    script = getattr(args, "script", None)
+    chosen = args.config if script else config_file(args.config)
+    return job_config(["emulation.sandbox_ranks=[]", *overrides], chosen, script)
+
 
 _FLAG_OF_KEY = {key: flag for flag, key in MEGATRON_FLAGS.items()}
 _DTYPE_FLAGS = {"bf16": "--bf16", "fp16": "--fp16"}

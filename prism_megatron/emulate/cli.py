@@ -12,31 +12,6 @@ from prism_megatron.util import atomic_write_text
 SIM_PREFIXES = ("cluster=", "cluster.", "calibration=")
 
 
-def load_calibration(path: Optional[str]):
-    """The calibration file `path` (None: none), or a one-line ConfigError."""
-    if not path:
-        return None
-    from prism_megatron.comm.cost import Calibration
-
-    try:
-        return Calibration.from_json(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"calibration={path}: not a readable calibration file ({err}); write one with "
-                          "`prism-megatron calibrate`") from None
-
-
-def _cluster(overrides: list[str]):
-    from prism_megatron.sim.cluster import load_cluster
-    from prism_megatron.sim.report import parse_overrides
-
-    what_if = parse_overrides(overrides)
-    if what_if.slowdown or what_if.microbatches:
-        raise ConfigError("emulate takes cluster=, cluster.KEY= and calibration= overrides; slowdowns and "
-                          "microbatches are what-ifs of `simulate`")
-    return load_cluster(what_if.cluster or "dgx_h100", what_if.cluster_fields), load_calibration(
-        what_if.calibration)
-
-
 def _specs(text: Optional[str], default: list) -> list[str]:
     """Sandbox specs from --sandbox (checked for form now, resolved against the graph later)."""
     from prism_megatron.emulate.sandbox import ROLE_NAMES
@@ -54,8 +29,9 @@ def _pace(choice: str) -> Optional[bool]:
 
 def emulate_command(args) -> int:
     from prism_megatron.emulate.run import Emulation
+    from prism_megatron.sim.report import emulation_cluster
 
-    cluster, calibration = _cluster(args.overrides)
+    cluster, calibration = emulation_cluster(args.overrides)
     summary = Emulation(args.graph, args.out, _specs(args.sandbox, []), cluster, calibration,
                         device=args.device, clock=args.clock, pace=_pace(args.pace), faults=args.faults,
                         script_tokens=args.script).run()
@@ -67,12 +43,13 @@ def emulate_command(args) -> int:
 
 def run_command(args) -> int:
     from prism_megatron.capture.run import Capture
-    from prism_megatron.cli import job_of
+    from prism_megatron.config.job import job_of
     from prism_megatron.emulate.run import Emulation
+    from prism_megatron.sim.report import emulation_cluster
 
     sim = [o for o in args.overrides if o.startswith(SIM_PREFIXES)]
     job = [o for o in args.overrides if not o.startswith(SIM_PREFIXES)]
-    cluster, calibration = _cluster(sim)
+    cluster, calibration = emulation_cluster(sim)
     # the config file's sandbox ranks belong to its own world size; the sandboxes come from --sandbox
     # or an emulation.sandbox_ranks override (default: the first stage)
     cfg = job_of(args, job)

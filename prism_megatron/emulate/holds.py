@@ -35,44 +35,20 @@ iteration's end shows in its wall, and the clocks report what was run up and pai
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 
 from prism_megatron.graph.model import RoleGraph
 from prism_megatron.sim.des import SimResult
+from prism_megatron.trace.holdplan import START, Hold, read_plan, write_plan  # noqa: F401 - re-exported
 from prism_megatron.util import gc_paused
-
-START = -1
-"""The anchor of a ghost chain that began at the iteration's start."""
-
 
 SLACK = 0.25
 """Paths are kept that decide the ghosts' arrival for a sandbox whose compute runs up to this share
 faster or slower than in the replay (`_prune`)."""
 _FACTORS = tuple(1 + SLACK * (k / 5 - 1) for k in range(11))
-
-
-class Hold(NamedTuple):
-    """One communication operation's hold (module docstring). Held until
-    max(now + self_s, max over `terms` of (end of anchor + ghost_s)), `now` being when the hold runs
-    on the stream."""
-
-    self_s: float
-    terms: tuple
-    """(anchor, ghost_s) per path by which ghost peers arrive: the anchor is the ordinal (in the
-    iteration) of the sandbox's operation the path begins at the end of, or START; empty where no
-    ghost takes part."""
-    at_wait: bool
-    """Held where the operation is waited for (it overlaps the compute after its issue)."""
-    transfer_s: Optional[float] = None
-    """The modelled transfer (the replay's end of the operation less its start). Where the clock knows
-    when the operation began on the stream (a stamp, trace/clock.py), its own part is that begin plus
-    this, whatever the backend's local work took; `self_s` is that with the recorded local part
-    taken off, for where it does not."""
 
 
 def overlapped(g: RoleGraph) -> np.ndarray:
@@ -217,21 +193,3 @@ def _prune(terms: dict, end: dict, start_s: float) -> None:
         kept.add(max(terms, key=lambda a: terms[a] + (f - 1) * (end[a] - start_s)))
     for anchor in [a for a in terms if a not in kept]:
         del terms[anchor]
-
-
-def write_plan(path: Path, plans: dict[int, list[Optional[Hold]]]) -> None:
-    """The plan file a realtime or paced sandbox reads (`emulation.delay_plan`)."""
-    from prism_megatron.util import atomic_write_text
-
-    atomic_write_text(str(path), json.dumps({"holds": {
-        str(r): [None if h is None else [h.self_s, [list(t) for t in h.terms], h.at_wait, h.transfer_s]
-                 for h in plan]
-        for r, plan in plans.items()}}))
-
-
-def read_plan(path: str, rank: int) -> list[Optional[Hold]]:
-    """`rank`'s holds from a plan file; ValueError, KeyError or OSError where it has none."""
-    rows = json.loads(Path(path).read_text())["holds"][str(rank)]
-    return [None if row is None else Hold(float(row[0]), tuple((int(a), float(g)) for a, g in row[1]),
-                                          bool(row[2]), None if len(row) < 4 or row[3] is None else float(row[3]))
-            for row in rows]

@@ -45,9 +45,9 @@ def resolve_sandbox(specs: Iterable[str], graph: ExecutionGraph,
                 raise ConfigError(f"sandbox rank {rank} is outside the virtual world of {world.world_size}; "
                                   f"choose 0..{world.world_size - 1} or one of {', '.join(ROLE_NAMES)}")
         elif spec == "first-stage":
-            rank = stage_rank(world, 0)
+            rank = world.stage_rank(0)
         elif spec == "last-stage":
-            rank = stage_rank(world, world.pp - 1)
+            rank = world.stage_rank(world.pp - 1)
         elif spec == "hottest-expert":
             rank = _hottest_expert(graph)
         elif spec == "slowest":
@@ -61,14 +61,6 @@ def resolve_sandbox(specs: Iterable[str], graph: ExecutionGraph,
     if not out:
         raise ConfigError(f"no sandbox rank given; name ranks or roles ({', '.join(ROLE_NAMES)})")
     return out
-
-
-def stage_rank(world: VirtualWorld, stage: int) -> int:
-    """The lowest virtual rank of pipeline stage `stage`."""
-    for rank in world.group(0, "pp") if world.pp > 1 else (0,):
-        if world.coords(rank)["pp"] == stage:
-            return int(rank)
-    raise ConfigError(f"no rank of pipeline stage {stage}")  # unreachable for a valid world
 
 
 def _hottest_expert(graph: ExecutionGraph) -> int:

@@ -29,15 +29,15 @@ def add_arguments(cmd) -> None:
 
 
 def run(args) -> int:
-    from prism_megatron.emulate.cli import _cluster
     from prism_megatron.graph import load_graph
+    from prism_megatron.sim.report import emulation_cluster
 
     if (args.inject is None) == (args.fit is None):
         raise ConfigError(f"faults: give --inject SPEC (the impact of faults, e.g. \"{EXAMPLE}\") or --fit "
                           "LOG (the straggler that explains a measured log), one of the two")
     if args.iterations < 1:
         raise ConfigError(f"--iterations {args.iterations}: expected >= 1")
-    cluster, calibration = _cluster(args.overrides)
+    cluster, calibration = emulation_cluster(args.overrides)
     graph = load_graph(args.graph)
     cost = cluster.cost_model(calibration)
     try:

@@ -100,12 +100,28 @@ def _patch(inst: Any, session_of: Callable[[], Any]) -> None:
             session.world = _world_of(inst.cfg, session.world_size)
         _EngineHooks(inst, engine).attach()
         if inst.routing is not None or inst.cfg.moe.log_path:
-            from prism_megatron.hooks.install import deepspeed_moe
-
-            deepspeed_moe(inst, engine)
+            _deepspeed_moe(inst, engine)
         return result
 
     inst.patch(deepspeed, "initialize", initialize)
+
+
+def _deepspeed_moe(inst: Any, engine: Any) -> None:
+    """DeepSpeed-MoE layers of an engine's model: routed by the imbalance model (moe.imbalance) and
+    logged (moe.log_path); moe/deepspeed_routing.py. A microbatch is a gradient-accumulation step."""
+    import torch.distributed as dist
+
+    from prism_megatron.moe import deepspeed_routing as dsr
+
+    gates = []
+    microbatches = engine.gradient_accumulation_steps
+    if inst.routing is not None:
+        if inst.ds_routing is None:
+            inst.ds_routing = dsr.DeepSpeedRouting(inst)
+        gates = inst.ds_routing.attach(engine.module, dist.get_rank, microbatches)
+        inst.routers += gates
+    if inst.cfg.moe.log_path:
+        inst._handles += dsr.attach_load_log(inst.moe_load_log(microbatches), engine.module, gates)
 
 
 _CHECK_USERS = ("deepspeed.runtime.zero.utils", "deepspeed.runtime.zero.partition_parameters",

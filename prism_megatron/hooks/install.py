@@ -179,6 +179,11 @@ class Installation:
         values = [x for x in summary.get("losses", []) + summary.get("grad_norms", []) if x is not None]
         return all(math.isfinite(x) for x in values)
 
+    def moe_load_log(self, microbatches: Optional[Any] = None) -> Any:
+        """This rank's MoE load log (moe.log_path), made on first use, closed at uninstall;
+        `microbatches` per iteration (a count, or a callable giving it): megatron's by default."""
+        return _moe_log(self, microbatches)
+
     def patch(self, owner: Any, name: str, value: Any) -> None:
         self._patches.patch(owner, name, value)
 
@@ -362,22 +367,6 @@ def _moe_log(inst: Installation, microbatches=None):
     return inst.moe_log
 
 
-def deepspeed_moe(inst: Installation, engine: Any) -> None:
-    """DeepSpeed-MoE layers of an engine's model: routed by the imbalance model (moe.imbalance) and
-    logged (moe.log_path); moe/deepspeed_routing.py. A microbatch is a gradient-accumulation step."""
-    from prism_megatron.moe import deepspeed_routing as dsr
-
-    gates = []
-    microbatches = engine.gradient_accumulation_steps
-    if inst.routing is not None:
-        if inst.ds_routing is None:
-            inst.ds_routing = dsr.DeepSpeedRouting(inst)
-        gates = inst.ds_routing.attach(engine.module, dist.get_rank, microbatches)
-        inst.routers += gates
-    if inst.cfg.moe.log_path:
-        inst._handles += dsr.attach_load_log(_moe_log(inst, microbatches), engine.module, gates)
-
-
 def _route_by_model(inst: Installation, model: torch.nn.Module) -> None:
     """Every MoE router of `model` routes by the configured imbalance model (moe/routing.py)."""
     from prism_megatron.moe.routing import attach
@@ -407,8 +396,8 @@ def _microbatches(cfg: PrismConfig):
 
 def _holds_of(path: Optional[str], rank: int) -> list:
     """This rank's holds per communication operation of an iteration, from a delay plan file
-    (emulate/holds.py)."""
-    from prism_megatron.emulate.holds import read_plan
+    (trace/holdplan.py, written by emulate/holds.py)."""
+    from prism_megatron.trace.holdplan import read_plan
 
     try:
         return read_plan(str(path), rank)

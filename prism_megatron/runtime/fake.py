@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from prism_megatron.kernels.model import KernelCostModel
 from prism_megatron.kernels.signature import OpCall
 from prism_megatron.runtime.patching import PatchSet
-from prism_megatron.trace.clock import DelayAccount, HostHolds
+from prism_megatron.runtime.holds import DelayAccount, HostHolds
 
 __all__ = ["CostClock", "FakeExecution", "ScalarModel", "is_fake"]
 
@@ -305,7 +305,7 @@ class CostClock(HostHolds):
         return max(self.host_s, self.device_s)
 
     def wait_until(self, goal: float) -> None:
-        """A hold (trace/clock.py HostHolds) keeps the device busy until `goal`."""
+        """A hold (runtime/holds.py HostHolds) keeps the device busy until `goal`."""
         self.device_s = max(self.device_s, goal)
 
     def stream(self) -> str:

@@ -19,10 +19,9 @@ def parse_ranks(text: str) -> list[int]:
 def simulate_command(args) -> int:
     """`prism-megatron simulate GRAPH [what-ifs]`: replay all N ranks of a graph in the DES and print
     (and write) the job's iteration time, tokens/s/GPU, MFU, per-stage memory and per-class figures."""
-    from prism_megatron.emulate.cli import load_calibration
     from prism_megatron.graph import load_graph
     from prism_megatron.graph.perfetto import write_chrome_trace
-    from prism_megatron.sim.cluster import load_cluster
+    from prism_megatron.sim.cluster import load_calibration, load_cluster
     from prism_megatron.sim.des import Simulator
     from prism_megatron.sim.report import job_figures, memory_by_stage, parse_overrides
     from prism_megatron.sim.reschedule import RescheduleError, with_microbatches

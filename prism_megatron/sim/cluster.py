@@ -116,3 +116,14 @@ def load_cluster(spec: str, overrides: Optional[dict] = None) -> ClusterConfig:
     if unknown:
         raise ConfigError(f"unknown cluster key(s) {unknown} in {path}; known: {', '.join(sorted(known))}")
     return ClusterConfig(**data)
+
+
+def load_calibration(path: Optional[str]) -> Optional[Calibration]:
+    """The calibration file `path` (None: none), or a one-line ConfigError."""
+    if not path:
+        return None
+    try:
+        return Calibration.from_json(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"calibration={path}: not a readable calibration file ({err}); write one with "
+                          "`prism-megatron calibrate`") from None

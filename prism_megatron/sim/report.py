@@ -16,7 +16,8 @@ from typing import Optional
 import yaml
 
 from prism_megatron.config.schema import ConfigError
-from prism_megatron.sim.cluster import ClusterConfig
+from prism_megatron.comm.cost import Calibration
+from prism_megatron.sim.cluster import ClusterConfig, load_calibration, load_cluster
 
 
 def model_flops(config_yaml: str) -> tuple[float, int]:
@@ -110,6 +111,17 @@ def parse_overrides(overrides: list[str]) -> SimOverrides:
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"unknown simulate override {key!r}{hint} (keys: {', '.join(SIM_KEYS)})")
     return out
+
+
+def emulation_cluster(overrides: list[str]) -> tuple[ClusterConfig, Optional[Calibration]]:
+    """The cluster and calibration of `emulate`/`faults` from their cluster=, cluster.KEY= and
+    calibration= overrides; a what-if of `simulate` (slowdown, microbatches) is a ConfigError."""
+    what_if = parse_overrides(overrides)
+    if what_if.slowdown or what_if.microbatches:
+        raise ConfigError("emulate takes cluster=, cluster.KEY= and calibration= overrides; slowdowns and "
+                          "microbatches are what-ifs of `simulate`")
+    return load_cluster(what_if.cluster or "dgx_h100", what_if.cluster_fields), load_calibration(
+        what_if.calibration)
 
 
 def memory_by_stage(graph, capacity_bytes: int) -> dict:

@@ -9,7 +9,7 @@ from prism_megatron.util import atomic_write_text
 
 
 def sweep_command(args) -> int:
-    from prism_megatron.cli import _config_file
+    from prism_megatron.config.job import config_file as config_file_of
     from prism_megatron.sim.cluster import load_cluster
     from prism_megatron.sweep.run import Sweep, expand, is_oom, ranked, ranking_png, summary_json
 
@@ -18,7 +18,7 @@ def sweep_command(args) -> int:
     load_cluster(args.cluster)  # fail fast on a bad cluster name
     points = expand(list(args.overrides))
     out = Path(args.out)
-    config_file = args.config if args.script else _config_file(args.config)
+    config_file = args.config if args.script else config_file_of(args.config)
     rows = Sweep(out, [], points, config_file, cluster=args.cluster, jobs=args.jobs,
                  workers=args.workers, script=args.script).run()
     best = ranked(rows)

@@ -336,6 +336,13 @@ class VirtualWorld:
         """The smallest rank of ``role``: the rank a slice of that role runs as."""
         return self.role_members(role)[0]
 
+    def stage_rank(self, stage: int) -> int:
+        """The lowest virtual rank of pipeline stage ``stage``."""
+        for rank in self.group(0, Dim.PP) if self.pp > 1 else (0,):
+            if self.coords(rank)["pp"] == stage:
+                return int(rank)
+        raise ValueError(f"no rank of pipeline stage {stage}: expected 0 to {self.pp - 1}")
+
     # ------------------------------------------------------------------ groups
 
     def group(self, rank: int, dim: Dim | str) -> tuple[int, ...]:

@@ -158,8 +158,8 @@ def moe_check_command(args) -> int:
     from pathlib import Path
 
     from prism_megatron.capture.run import world_of
-    from prism_megatron.cli import job_of
-    from prism_megatron.comm.calibrate import parse_size
+    from prism_megatron.config.job import job_of
+    from prism_megatron.commands.calibrate import parse_size
     from prism_megatron.config.loader import to_yaml
     from prism_megatron.config.schema import ConfigError
     from prism_megatron.emulate.run import EmulationFailed, run_sandboxes
