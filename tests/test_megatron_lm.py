@@ -155,3 +155,32 @@ def test_capture_then_emulate_megatron_lms_own_script(megatron_lm, tmp_path):
     row, = out["sandbox"]
     assert out["ranks"] == 8192 and row["virtual_rank"] == 4711
     assert row["iteration_time_s"] >= row["recorded_iteration_s"] > 0 and row["peak_allocated_bytes"] > 0
+
+
+def test_megatron_lms_moe_layers_write_the_load_log_under_an_imbalance_model(megatron_lm, tmp_path):
+    """The MoE load log (moe.log_path) and a routing model for Megatron-LM's own script: rank 4711 of
+    8192 (TP8 PP16, EP8 with 8 experts, one per rank), 2 microbatches of 256 tokens, zipf(1.5)
+    routing. One line per MoE layer and microbatch; its own assignments skewed as the model says; the
+    tokens its expert receives are those of the 64 ranks the all-gather dispatcher gathers over
+    (TP8 x EP8, ghosts routing as the model routes it)."""
+    job = [a for a in ARGS]
+    for flag, value in (("--seq-length", "256"), ("--max-position-embeddings", "256"),
+                        ("--global-batch-size", "128")):
+        job[job.index(flag) + 1] = value
+    log = tmp_path / "moe.rank{rank}.jsonl"
+    proc = _launch(megatron_lm, "--", "pretrain_gpt.py", *job, "--num-experts", "8", "--moe-router-topk", "2",
+                   "--expert-model-parallel-size", "8", "--disable-bias-linear", "--sequence-parallel",
+                   "--prism-virtual-world-size", "8192", "--prism-sandbox-ranks", "4711",
+                   "--prism-moe-log-path", str(log), "--prism-moe-imbalance", "zipf(1.5)")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (tmp_path / "moe.rank4711.jsonl").read_text().splitlines()]
+    assert [(x["iteration"], x["microbatch"]) for x in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for x in lines:
+        (expert,) = x["experts"]
+        per_expert = x["routed_per_expert"]
+        assert x["routed"] == sum(per_expert) == 256 // 8 * 2  # its sequence-parallel share, top-2
+        assert max(per_expert) >= 3 * x["routed"] / 8, per_expert  # zipf(1.5): one hot expert
+        assert x["tokens"] == [64 * per_expert[expert]] and x["dropped"] == 0
+        assert x["memory"]["peak_allocated_bytes"] > 0
+    summary = json.loads((tmp_path / "moe.rank4711.jsonl.summary.json").read_text())
+    assert summary["lines"] == 4 and "MoE load, rank 4711" in proc.stderr
