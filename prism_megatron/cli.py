@@ -1,6 +1,7 @@
 """`prism-megatron`: the command line. Subcommands take omegaconf overrides (`parallel.tp=8`).
 
     prism-megatron train [--config FILE] [key=value ...] [--json PATH]   run examples/pretrain_gpt.py
+                                          (summary: --json, else runs/train-<config>-<hash>/summary.json)
     prism-megatron world [--config FILE] [key=value ...] [--rank R]      a virtual rank's coordinates/groups
     prism-megatron config [--config FILE] [key=value ...]                the resolved config, or its keys
     prism-megatron capture [--config FILE] [key=value ...] --out DIR [--json PATH] [--workers P]
@@ -183,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                              help="where slices run (default: train.device)")
         if name == "train":
-            cmd.add_argument("--json", default=None, help="write the run summary JSON here")
+            cmd.add_argument("--json", default=None, help="write the run summary JSON here (default: "
+                             "runs/train-<config>-<hash>/summary.json)")
         if name == "world":
             cmd.add_argument("--rank", type=int, default=None, help="virtual rank (default: sandbox)")
             cmd.add_argument("--json", default=None, help="write the description as JSON here")
@@ -205,9 +207,19 @@ def _cmd_train(args) -> int:
     config_file = _config_file(args.config)
     if config_file:
         argv += ["--prism-config", config_file]
-    if args.json:
-        argv += ["--prism-summary-json", args.json]
+    argv += ["--prism-summary-json", args.json or _train_summary_path(args.overrides, config_file)]
     return module.main(argv)
+
+
+def _train_summary_path(overrides: list[str], config_file: Optional[str]) -> str:
+    """Where `train` writes its summary without `--json`: `runs/train-<config>-<hash>/summary.json`
+    under the current folder, the hash of the resolved config, so that another job never overwrites
+    it and the same job does."""
+    import hashlib
+
+    text = to_yaml(load_config(overrides, config_file))
+    name = Path(config_file).stem if config_file else "schema-defaults"
+    return str(Path("runs", f"train-{name}-{hashlib.sha1(text.encode()).hexdigest()[:8]}", "summary.json"))
 
 
 def _cmd_world(args) -> int:

@@ -4,6 +4,7 @@ prism_megatron/resources.py), with no checkout to fall back on."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -56,4 +57,14 @@ def test_the_installed_package_trains_its_default_job_outside_the_checkout(tmp_p
     assert re.search(r"\[rank 4711\] iteration 2/2 \|.*iteration time \(ms\) \(modelled on h200\): \d",
                      out), out[-3000:]
     assert re.search(r"\[rank 4711\] predicted peak memory on h200: allocated \d", out), out[-3000:]
-    assert sorted(p.name for p in work.iterdir()) == []  # nothing written where it ran, unasked
+    # it opens with what it models, and says where its summary went (the only thing written)
+    assert ("[rank 4711] modelled: GPT of 175.2B parameters (96 layers, hidden 12288) | TP8 x PP16 x DP64, "
+            "8192 ranks | 24 micro-batches of 1 per pipeline | sandbox: rank 4711 (pipeline stage 9 of 16), "
+            "8191 ghosts | execution: fake on cpu, predicting h200") in out, out[-3000:]
+    assert "lm loss, grad norm: n/a (fake execution: tensors hold no values)" in out, out[-3000:]
+    written = re.search(r"\[rank 4711\] summary: (runs/train-default-\w+/summary\.json)$", proc.stdout, re.M)
+    assert written, out[-3000:]
+    summary = json.loads((work / written[1]).read_text())
+    assert summary["virtual_rank"] == 4711 and len(summary["iteration_times_ms"]) == 2
+    assert summary["losses"] == [None, None] and summary["grad_norms"] == [None, None]
+    assert [p.name for p in work.iterdir()] == ["runs"]

@@ -12,10 +12,13 @@ Everything megatron-specific below is what a Megatron-LM user writes; the only p
 `prism_megatron.install(cfg)`. Data is mock: token ids drawn from a generator seeded by
 (seed, iteration, data-parallel rank, microbatch), so every run and every rank of a role sees the same.
 
-Logging: one Megatron-style line per iteration. The loss lives on the last pipeline stage; it is
-broadcast over the pipeline group for logging (one small broadcast per iteration, as NeMo does). On a
-sandbox whose last stage is a ghost there is no loss to receive: it logs `lm loss: n/a` and records
-null, and the gradient norm (computed by every rank) is the figure to watch there.
+Logging: a first line says what is modelled (model, layout, micro-batches, sandbox, execution), then
+one Megatron-style line per iteration, and a last line where the summary went. The loss lives on the
+last pipeline stage; it is broadcast over the pipeline group for logging (one small broadcast per
+iteration, as NeMo does). On a sandbox whose last stage is a ghost there is no loss to receive: it
+logs `lm loss: n/a` and records null, and the gradient norm (computed by every rank) is the figure to
+watch there. Under fake execution tensors hold no values (a norm's `.item()` is a placeholder 1.0,
+runtime/fake.py), so the loss and grad norm are logged `n/a` and recorded null.
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ def train(cfg, inst, summary_path):
     log = inst.session.log if inst.session is not None else None
     # fake execution (a GPU-sized rank on a CPU): times come from the target GPU's kernel-cost model
     clock = inst.fake.clock if inst.fake is not None else None
+    print(f" [rank {rank}] modelled: {describe_job(cfg, inst, num_micro)}", flush=True)
     if clock is not None:
         print(f" [rank {rank}] execution: fake (tensors without storage); kernel times of "
               f"{cfg.emulation.target_gpu}, {clock.model.source}; memory: CUDA caching-allocator model",
@@ -201,6 +205,8 @@ def train(cfg, inst, summary_path):
             forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         loss = _pipeline_loss(losses, pp_group, last_stage, inst, device)
+        if clock is not None:  # fake tensors hold no values: what .item() gave is a placeholder
+            loss, grad_norm = None, None
         if device == "cuda":
             torch.cuda.synchronize()
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -218,10 +224,15 @@ def train(cfg, inst, summary_path):
             stats = torch.cuda.memory_stats()
             summary["allocator_per_iteration"].append(
                 {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS})
-        shown = "n/a" if loss is None else f"{loss:.6E}"
         where = f" (modelled on {cfg.emulation.target_gpu})" if clock is not None else ""
-        print(f" [rank {rank}] iteration {it}/{t.iters} | lm loss: {shown} | grad norm: "
-              f"{summary['grad_norms'][-1]} | iteration time (ms){where}: {elapsed_ms:.1f}", flush=True)
+        if clock is not None:
+            values = "lm loss, grad norm: n/a (fake execution: tensors hold no values)"
+        else:
+            shown = (f"n/a (the last pipeline stage, rank {last_stage}, is a ghost)" if loss is None
+                     else f"{loss:.6E}")
+            values = f"lm loss: {shown} | grad norm: {summary['grad_norms'][-1]}"
+        print(f" [rank {rank}] iteration {it}/{t.iters} | {values} | iteration time (ms){where}: "
+              f"{elapsed_ms:.1f}", flush=True)
     if clock is not None:
         allocator = inst.tracker.allocator
         print(f" [rank {rank}] predicted peak memory on {cfg.emulation.target_gpu}: allocated "
@@ -249,10 +260,38 @@ def _pipeline_loss(losses, pp_group, last_stage, inst, device):
     return float(value.item())
 
 
+def describe_job(cfg, inst, num_micro: int) -> str:
+    """One line of what this run models: the model (a preset's name where it is one), the parallel
+    layout and world, micro-batches per pipeline, the sandbox, the execution and target GPU."""
+    from megatron.core import parallel_state as ps
+
+    from prism_megatron.config.loader import MODEL_PRESETS
+
+    m, p = cfg.model, cfg.parallel
+    preset = next((name for name, preset in MODEL_PRESETS.items() if preset == m), None)
+    n = m.parameters()
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    model = f"{preset or 'GPT'} of {size} parameters ({m.num_layers} layers, hidden " \
+            f"{m.hidden_size}{f', {m.num_experts} experts' if m.num_experts else ''})"
+    axes = [("TP", p.tp), ("CP", p.cp), ("PP", p.pp), ("DP", ps.get_data_parallel_world_size()), ("EP", p.ep)]
+    layout = " x ".join(f"{name}{n}" for name, n in axes if n > 1 or name in ("TP", "PP", "DP"))
+    world = dist.get_world_size()
+    line = (f"{model} | {layout}, {world} ranks | {num_micro} micro-batches of {cfg.train.micro_batch_size} "
+            "per pipeline")
+    if inst.virtual:
+        line += (f" | sandbox: rank {dist.get_rank()} (pipeline stage {ps.get_pipeline_model_parallel_rank()}"
+                 f" of {p.pp}), {world - len(cfg.emulation.sandbox_ranks)} ghosts")
+    execution = (f"fake on {inst.device}, predicting {cfg.emulation.target_gpu}" if inst.fake is not None
+                 else f"real on {inst.device}")
+    return f"{line} | execution: {execution}"
+
+
 def _finish(summary, inst, summary_path):
     if not inst.write_summary(summary, summary_path):
         print(f"error: non-finite loss or grad norm on rank {summary['virtual_rank']}", file=sys.stderr)
         sys.exit(1)
+    where = inst.summary_written or "not written (give --prism-summary-json PATH)"
+    print(f" [rank {summary['virtual_rank']}] summary: {where}", flush=True)
 
 def main(argv=None) -> int:
     parser = OneLineParser(prog="pretrain_gpt.py", description=__doc__.splitlines()[0])
