@@ -469,6 +469,10 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("emulate-slowdown", "emulate", "{graph.prism}", "slowdown.0=2", "--out", "{out}")
     add("emulate--faults-bad", "emulate", "{graph.prism}", "--out", "{out}", "--faults", "slow(x)")
     add("emulate--faults-factor", "emulate", "{graph.prism}", "--out", "{out}", "--faults", "slow(0, -1)")
+    for sandbox in ("8", "99", "-1"):  # outside the graph's world: refused before --out is made
+        add(f"emulate--sandbox[{sandbox}]", "emulate", "{graph.prism}", "--out", "{out}", "--sandbox", sandbox)
+    for spec in ("slow(99, 1.5)", "link(node9, 2)"):
+        add(f"emulate--faults[{spec}]", "emulate", "{graph.prism}", "--out", "{out}", "--faults", spec)
     add("emulate-calibration", "emulate", "{graph.prism}", "calibration={calib_list.json}", "--out", "{out}")
     add("emulate--out-unwritable", "emulate", "{graph.prism}", "--out", "{unwritable}")
     add("emulate--json-unwritable", "emulate", "{graph.prism}", "--out", "{out}", "--json", "{unwritable}")
@@ -533,8 +537,8 @@ def tripwires(monkeypatch):
     import prism_megatron.sweep.run as sweep
 
     monkeypatch.setattr(capture.Capture, "run", trip("a capture"))
-    def emulation_run(self):  # its first step, reading the graph, is a check the cases rely on
-        emulate.load_graph(self.graph_path)
+    def emulation_run(self):  # its first step, `check` (the graph, sandboxes, faults), writes nothing
+        self.check()
         raise WorkStarted("an emulation started: the bad input was not refused before the work")
 
     monkeypatch.setattr(emulate.Emulation, "run", emulation_run)

@@ -90,11 +90,18 @@ class Emulation:
     _meta: dict[int, dict] = field(default_factory=dict, init=False, repr=False)
     """rank -> its sandbox graph's meta (how it was recorded)."""
 
+    def check(self) -> ExecutionGraph:
+        """The graph, once the sandboxes and faults are known to name ranks of its world (ConfigError
+        otherwise); nothing is written. `run` begins with it."""
+        graph = load_graph(self.graph_path)
+        resolve_sandbox([s for s in self.sandbox if s != "slowest"] or ["first-stage"], graph, None)
+        self._simulator(graph, self.cluster.cost_model(self.calibration), [])
+        return graph
+
     def run(self) -> dict:
         start = time.perf_counter()
-        graph = load_graph(self.graph_path)
+        graph = self.check()
         out = Path(self.out_dir)
-        (out / "sandbox").mkdir(parents=True, exist_ok=True)
         cost = self.cluster.cost_model(self.calibration)
         times = None
         if "slowest" in self.sandbox:
@@ -109,6 +116,7 @@ class Emulation:
                               f"toolkit and remove {native.build_dir()} to rebuild it, or run with --pace off "
                               "and --clock virtual")
         job = text = _with_faults(_with_script(text, self.script_tokens), self.faults)
+        (out / "sandbox").mkdir(parents=True, exist_ok=True)  # every input checked: the work begins
         if paced:  # the ghost-only replay's holds: what a collective of this rank lasts at scale
             first = self._simulator(graph, cost, []).run(causes=True)
             job = _with_holds(text, {r: holds(first, r, graph.roles[graph.world.role(r)]) for r in ranks},
