@@ -146,9 +146,8 @@ def prepare_process(device: str) -> None:
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Cyclic garbage collection off for a block that builds millions of small acyclic objects (a
-    replay and its causes), where each collection would walk every live object. On a quiet 2-core VM
-    it changes a replay of 8192 ranks by no more than the run-to-run noise
-    (benchmarks/results/realtime-2026-12-02/holds_scale-vm.txt); it is there for large heaps."""
+    replay and its causes), where each collection would walk every live object: it matters for large
+    heaps, not small replays."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -61,10 +61,8 @@ class Iteration:
 
 HOST_BOUND_WARN_SHARE = 0.15
 """A rank whose compute was this share or more in segments that ended with its device idle
-(`host_bound`) is reported as host-bound. Measured on one H200 host (the 175B rank 4711,
-seven emulations of one graph, benchmarks/results/scale-2026-12-03): the share ranged 5.0-18.3 % and
-the measured compute 86.2-94.9 ms with it (correlation 0.97); at 18.3 % it was 10 % above the
-fastest run's."""
+(`host_bound`) is reported as host-bound: over repeated emulations of one graph the measured compute
+rises with this share (`benchmarks/emulate_scale.py`; docs/results.md gives the figures)."""
 
 
 def mapped_seconds(clock: Any, it: Iteration, timed: Iteration) -> np.ndarray:
