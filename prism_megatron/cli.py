@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import signal
 import sys
 import warnings
@@ -324,73 +323,10 @@ def _cmd_simulate(args) -> int:
     return simulate_command(args)
 
 
-def _calibrate_host_modules(path: str) -> int:
-    import torch
-
-    from prism_megatron.kernels.host import calibrate_host_modules
-
-    if not torch.cuda.is_available():
-        raise ConfigError("calibrate --host-modules times real jobs on a GPU and none is visible here; run "
-                          "it on the GPU machine")
-    try:
-        calibrate_host_modules(path)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    except RuntimeError as err:  # a job failed: its log is named
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def _cmd_calibrate(args) -> int:
-    import torch
+    from prism_megatron.commands.calibrate import command
 
-    if args.host_modules and not args.kernels:
-        if args.ops or args.quick:
-            raise ConfigError("--ops and --quick go with --kernels")
-        if not os.path.isfile(args.out):
-            raise ConfigError(f"--host-modules adds to a kernel calibration, and {args.out} does not exist; "
-                              f"make it on this machine with `prism-megatron calibrate --kernels --out "
-                              f"{args.out}` (or pass both flags)")
-        return _calibrate_host_modules(args.out)
-    if args.kernels:
-        from prism_megatron.kernels.calibrate import calibrate_kernels
-
-        if args.ops and not os.path.isfile(args.ops):
-            raise ConfigError(f"--ops {args.ops}: no such file; write one with a fake run "
-                              "(PRISM_FAKE_OPS=FILE prism-megatron train emulation.execution=fake ...)")
-        if not torch.cuda.is_available():
-            raise ConfigError("calibrate --kernels measures a GPU and none is visible here; run it on the "
-                              "GPU machine and pass the file as emulation.target_gpu=FILE")
-        calibrate_kernels(args.out, args.ops, quick=args.quick)
-        return _calibrate_host_modules(args.out) if args.host_modules else 0
-    if args.ops or args.quick:
-        raise ConfigError("--ops and --quick go with --kernels")
-
-    from prism_megatron.commands.calibrate import calibrate, parse_size
-
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no GPU is visible; use --device cpu")
-    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() if device == "cuda" else 2)
-    if nproc < 2 or (device == "cuda" and nproc > torch.cuda.device_count()):
-        limit = f" and at most the {torch.cuda.device_count()} GPUs" if device == "cuda" else ""
-        raise ConfigError(f"--nproc {nproc}: expected 2 or more processes{limit}")
-    low = parse_size(args.min_bytes)
-    high = parse_size(args.max_bytes or ("1GiB" if device == "cuda" else "64MiB"))
-    if not low or not high or low > high:
-        raise ConfigError(f"sizes {args.min_bytes!r}..{args.max_bytes!r}: expected e.g. --min-bytes 1KiB "
-                          "--max-bytes 1GiB, smallest first")
-    data = calibrate(device, nproc, low, high, args.out)
-    print(f"calibrated {data['device']}: {len(data['points'])} points -> {args.out}")
-    for key, fit in sorted(data["fits"].items()):
-        rows = [r for r in data["table"] if f"{r['op']}/{r['link']}/{r['n']}" == key
-                and r["bytes"] >= (1 << 20)]
-        worst = max((abs(r["error"]) for r in rows), default=0.0)
-        segments = ", ".join(f">={seg['from_bytes']} B: {seg['latency_s'] * 1e6:.1f} us + "
-                             f"{seg['busbw_Bps'] / 1e9:.2f} GB/s" for seg in fit["segments"])
-        print(f"  {key:>24}: {segments}; worst model error >= 1 MiB {worst * 100:5.1f}%")
-    return 0
+    return command(args)
 
 
 def _check_fault_specs(text: Optional[str]) -> None:
