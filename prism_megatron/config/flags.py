@@ -56,6 +56,21 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--seq-length": "model.seq_length",
     "--num-query-groups": "model.num_query_groups",
     "--swiglu": "model.swiglu",
+    "--kv-channels": "model.kv_channels",
+    "--position-embedding-type": "model.position_embedding_type",
+    "--rotary-base": "model.rotary_base",
+    "--rotary-percent": "model.rotary_percent",
+    "--normalization": "model.normalization",
+    "--norm-epsilon": "model.norm_epsilon",
+    "--attention-backend": "model.attention_backend",
+    "--attention-dropout": "model.attention_dropout",
+    "--hidden-dropout": "model.hidden_dropout",
+    "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
+    "--moe-router-score-function": "model.moe_router_score_function",
+    "--recompute-granularity": "train.recompute_granularity",
+    "--recompute-method": "train.recompute_method",
+    "--recompute-num-layers": "train.recompute_num_layers",
+    "--recompute-modules": "train.recompute_modules",
     "--micro-batch-size": "train.micro_batch_size",
     "--global-batch-size": "train.global_batch_size",
     "--train-iters": "train.iters",
@@ -174,8 +189,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group = parser.add_argument_group("megatron", "Megatron-LM flags (mapped onto the config)")
     for flag, key in MEGATRON_FLAGS.items():
         f, doc = _field(key)
+        kind_name = str(f.type)
         if f.type in ("bool", bool):
             group.add_argument(flag, action="store_true", default=None, help=doc)
+        elif "List" in kind_name:
+            group.add_argument(flag, nargs="+", default=None, help=doc)
+        elif "str" in kind_name:
+            group.add_argument(flag, type=str, default=None, help=doc)
         else:
             kind = float if "float" in str(f.type) else int
             group.add_argument(flag, type=kind, default=None, help=doc)
@@ -207,6 +227,8 @@ def config_from_args(args: argparse.Namespace, config_file: Optional[str] = None
             overrides.append(f"moe.{name}={value}")
     for flag, key in MEGATRON_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if isinstance(value, list):
+            value = "[" + ",".join(map(str, value)) + "]"
         if value is not None:
             overrides.append(f"{key}={value}")
     if getattr(args, "bf16", False):

@@ -195,6 +195,14 @@ def rewrite_flags(args: list[str], overrides: list[str], framework: str) -> tupl
             elif on:
                 left.append(item)
             continue
+        if _is_list(key):
+            args = _drop_flag(args, flag)
+            items = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
+            if framework == "megatron" or present:
+                args += [flag, *items] if items else []
+            else:
+                left.append(item)
+            continue
         if not present:
             if framework == "megatron":
                 args += [flag, value]
@@ -211,14 +219,35 @@ def rewrite_flags(args: list[str], overrides: list[str], framework: str) -> tupl
     return args, left
 
 
-def _is_switch(key: str) -> bool:
+def _kind(key: str):
     from dataclasses import fields
 
     from prism_megatron.config.schema import SECTIONS
 
     section, name = key.split(".")
-    kind = next(f.type for f in fields(SECTIONS[section]) if f.name == name)
-    return kind in (bool, "bool")
+    return next(f.type for f in fields(SECTIONS[section]) if f.name == name)
+
+
+def _is_switch(key: str) -> bool:
+    return _kind(key) in (bool, "bool")
+
+
+def _is_list(key: str) -> bool:
+    return "List" in str(_kind(key))
+
+
+def _drop_flag(args: list[str], flag: str) -> list[str]:
+    """`args` without `flag` and the values after it (up to the next option)."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == flag or args[i].startswith(flag + "="):
+            i += 1
+            while "=" not in args[i - 1] and i < len(args) and not args[i].startswith("-"):
+                i += 1
+            continue
+        out.append(args[i])
+        i += 1
+    return out
 
 
 def _megatron_global_batch(known, overrides: list[str], config_file: Optional[str]) -> Optional[int]:

@@ -14,25 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from prism_megatron.config.base import ConfigError, require_choice
+from prism_megatron.config.base import require_positive as _require_positive
+from prism_megatron.config.model import DTYPES, ModelConfig
+
 GHOST_POLICIES = ("mirror", "zeros", "random")
 CLOCKS = ("virtual", "realtime")
 EXECUTIONS = ("auto", "real", "fake")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "aten")
 TIMINGS = ("two-pass", "single-pass")
 SELECTIONS = ("last", "median", "node-median")
-
-
-class ConfigError(ValueError):
-    """A user configuration error; its message is one line that teaches the fix."""
-
-
-def _require_positive(owner: str, **values: Optional[int]) -> None:
-    bad = {k: v for k, v in values.items() if v is not None and (not isinstance(v, int) or v < 1)}
-    if bad:
-        listed = ", ".join(f"{owner}.{k}={v!r}" for k, v in bad.items())
-        raise ConfigError(f"{listed}: expected positive integers; set each to 1 or more")
 
 
 @dataclass(kw_only=True)
@@ -154,95 +146,6 @@ class ParallelConfig:
                               "turn it off or raise tp")
 
 
-@dataclass(kw_only=True)
-class ModelConfig:
-    """GPT model shape (megatron-core GPTModel with its local, non-Transformer-Engine spec)."""
-
-    num_layers: int = 4
-    """Transformer layers (--num-layers)."""
-
-    hidden_size: int = 64
-    """Hidden size (--hidden-size)."""
-
-    num_attention_heads: int = 4
-    """Attention heads (--num-attention-heads)."""
-
-    ffn_hidden_size: Optional[int] = None
-    """MLP hidden size (--ffn-hidden-size); None: 4 * hidden_size."""
-
-    num_experts: Optional[int] = None
-    """MoE experts per layer (--num-experts); None: dense model."""
-
-    moe_router_topk: int = 2
-    """Experts each token is routed to (--moe-router-topk)."""
-
-    moe_ffn_hidden_size: Optional[int] = None
-    """Hidden size of each expert MLP (--moe-ffn-hidden-size); None: ffn_hidden_size."""
-
-    moe_expert_capacity_factor: Optional[float] = None
-    """Expert capacity as a multiple of the balanced load (--moe-expert-capacity-factor): assignments
-    beyond it are dropped (megatron: token drop policy `probs`; DeepSpeed-MoE: the gate's
-    `capacity_factor` with `drop_tokens=True`). None: dropless, megatron's default (DeepSpeed:
-    `drop_tokens=False`, the capacity follows the most loaded expert of the expert-parallel group)."""
-
-    vocab_size: int = 256
-    """Vocabulary size (--vocab-size); padded like Megatron-LM to a multiple of 128 * tp."""
-
-    seq_length: int = 32
-    """Sequence length in tokens (--seq-length)."""
-
-    params_dtype: str = "fp32"
-    """Parameter/compute dtype: fp32, bf16 (--bf16) or fp16 (--fp16)."""
-
-    num_query_groups: Optional[int] = None
-    """Key/value head groups of grouped-query attention (--num-query-groups); None: one per head."""
-
-    swiglu: bool = False
-    """Gated linear unit with SiLU in the MLP (--swiglu), as LLaMA and Mixtral use."""
-
-    tie_embeddings: bool = False
-    """Input embedding and output layer share weights (GPT-3); False (megatron-core GPTModel's
-    default): separate weights (LLaMA 3)."""
-
-    def parameters(self) -> int:
-        """Parameter count of the whole model (biases and norms left out: a fraction of a percent)."""
-        h, heads = self.hidden_size, self.num_attention_heads
-        kv = (self.num_query_groups or heads) * (h // heads)
-        attention = 2 * h * h + 2 * h * kv
-        ffn = self.ffn_hidden_size or 4 * h
-        per_mlp = (3 if self.swiglu else 2) * h
-        if self.num_experts:
-            mlp = self.num_experts * per_mlp * (self.moe_ffn_hidden_size or ffn) + h * self.num_experts
-        else:
-            mlp = per_mlp * ffn
-        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * (attention + mlp) + embeddings
-
-    def __post_init__(self) -> None:
-        _require_positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
-                          num_attention_heads=self.num_attention_heads,
-                          ffn_hidden_size=self.ffn_hidden_size, num_experts=self.num_experts,
-                          moe_router_topk=self.moe_router_topk, vocab_size=self.vocab_size,
-                          seq_length=self.seq_length, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-                          num_query_groups=self.num_query_groups)
-        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
-            raise ConfigError(f"model.moe_expert_capacity_factor={self.moe_expert_capacity_factor}; expected "
-                              f"a number > 0 (e.g. 1.25), or null for dropless routing")
-        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
-            raise ConfigError(f"model.num_attention_heads({self.num_attention_heads}) is not divisible by "
-                              f"model.num_query_groups({self.num_query_groups})")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"model.hidden_size({self.hidden_size}) is not divisible by "
-                f"model.num_attention_heads({self.num_attention_heads}); pick sizes that divide")
-        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
-            raise ConfigError(f"model.moe_router_topk({self.moe_router_topk}) > "
-                              f"model.num_experts({self.num_experts}); lower topk")
-        if self.params_dtype not in DTYPES:
-            raise ConfigError(f"model.params_dtype={self.params_dtype!r}; expected one of "
-                              f"{', '.join(DTYPES)}")
-
-
 FRAMEWORKS = ("megatron", "deepspeed")
 
 
@@ -279,6 +182,23 @@ class TrainConfig:
     overlap_grad_reduce: bool = False
     """Overlap the gradient reduce-scatter/all-reduce with backward (--overlap-grad-reduce)."""
 
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation (--recompute-granularity): full (whole layers: only their inputs are
+    kept, the forward runs again in the backward), selective (the modules of `recompute_modules`),
+    or None (everything kept)."""
+
+    recompute_method: Optional[str] = None
+    """With full: uniform (every layer's input every `recompute_num_layers` layers) or block (the
+    first `recompute_num_layers` layers of each stage) (--recompute-method)."""
+
+    recompute_num_layers: Optional[int] = None
+    """With full: the layers of a recomputed group (uniform) or recomputed per stage (block)
+    (--recompute-num-layers); None: 1."""
+
+    recompute_modules: Optional[List[str]] = None
+    """With selective: the submodules recomputed (--recompute-modules: core_attn, mlp, moe, moe_act,
+    layernorm, shared_experts); None: megatron's default, core_attn."""
+
     device: str = "auto"
     """Where the sandbox computes: cuda if available (auto), cpu (gloo + CPU runtime), or cuda."""
 
@@ -304,6 +224,7 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch_size({self.global_batch_size}) is not divisible by "
                 f"train.micro_batch_size({self.micro_batch_size})")
+        _check_recompute(self)
         if self.device not in DEVICES:
             raise ConfigError(f"train.device={self.device!r}; expected one of {', '.join(DEVICES)}")
         if self.framework not in FRAMEWORKS:
@@ -311,6 +232,35 @@ class TrainConfig:
         if self.deepspeed_config is not None and self.framework != "deepspeed":
             raise ConfigError(f"train.deepspeed_config={self.deepspeed_config} is set but train.framework="
                               f"{self.framework}; add train.framework=deepspeed or drop the DeepSpeed config")
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
+
+
+def _check_recompute(t: "TrainConfig") -> None:
+    if t.recompute_granularity is None:
+        if t.recompute_method or t.recompute_num_layers or t.recompute_modules:
+            raise ConfigError("train.recompute_method/num_layers/modules are set but "
+                              "train.recompute_granularity is not; set it to full or selective")
+        return
+    require_choice("train.recompute_granularity", t.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    _require_positive("train", recompute_num_layers=t.recompute_num_layers)
+    if t.recompute_granularity == "full":
+        if t.recompute_method is None:
+            raise ConfigError("train.recompute_granularity=full needs train.recompute_method: uniform "
+                              "or block (Megatron-LM's --recompute-method)")
+        require_choice("train.recompute_method", t.recompute_method, RECOMPUTE_METHODS)
+        if t.recompute_modules:
+            raise ConfigError("train.recompute_modules applies to recompute_granularity=selective; "
+                              "drop it or choose selective")
+    else:
+        if t.recompute_method is not None or t.recompute_num_layers is not None:
+            raise ConfigError("train.recompute_method/num_layers apply to recompute_granularity=full; "
+                              "drop them or choose full")
+        for module in t.recompute_modules or ():
+            require_choice("train.recompute_modules[]", module, RECOMPUTE_MODULES)
 
 
 @dataclass(kw_only=True)
@@ -445,6 +395,12 @@ class PrismConfig:
             raise ConfigError(f"moe.imbalance={self.moe.imbalance!r}: {int(hot.params[0])} hot experts of "
                               f"model.num_experts({self.model.num_experts}); choose at most "
                               f"{self.model.num_experts}")
+        if self.train.framework == "deepspeed":
+            changed = [f"{section}.{name}" for section, name in MEGATRON_ONLY
+                       if getattr(getattr(self, section), name) != getattr(DEFAULTS[section], name)]
+            if changed:
+                raise ConfigError(f"{', '.join(changed)}: megatron-core layer choices that the DeepSpeed "
+                                  "example does not build; drop them or use train.framework=megatron")
         e = self.emulation
         if e.clock == "realtime" and (e.delay_plan is None or e.virtual_world_size is None
                                       or self.trace.path is None):
@@ -498,6 +454,15 @@ class PrismConfig:
                 f"{t.micro_batch_size * world.dp}; raise the global batch size")
 
 
+MEGATRON_ONLY = tuple(("model", name) for name in (
+    "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+    "norm_epsilon", "attention_backend", "attention_dropout", "hidden_dropout",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function")) + tuple(
+    ("train", f"recompute_{name}") for name in ("granularity", "method", "num_layers", "modules"))
+"""Keys only megatron-core's model (examples/pretrain_gpt.py, a Megatron-LM script) builds."""
+
 SECTIONS: dict[str, type] = {"emulation": EmulationConfig, "parallel": ParallelConfig, "model": ModelConfig,
                              "train": TrainConfig, "trace": TraceConfig, "moe": MoeConfig}
 """The config's sections by key (one place for the flags, the CLI's key list and error hints)."""
+
+DEFAULTS = {"model": ModelConfig(), "train": TrainConfig()}

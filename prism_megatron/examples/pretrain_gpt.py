@@ -51,6 +51,7 @@ def build_model(cfg, device, cpu_initialization=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
 
     m, p = cfg.model, cfg.parallel
@@ -63,6 +64,17 @@ def build_model(cfg, device, cpu_initialization=None):
                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
         if m.moe_expert_capacity_factor is not None:
             moe.update(moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_drop_policy="probs")
+        if m.moe_shared_expert_intermediate_size:
+            moe.update(moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size)
+        moe.update(moe_router_score_function=m.moe_router_score_function)
+    t = cfg.train
+    recompute = {}
+    if t.recompute_granularity == "full":
+        recompute = dict(recompute_granularity="full", recompute_method=t.recompute_method,
+                         recompute_num_layers=t.recompute_num_layers or 1)
+    elif t.recompute_granularity == "selective":
+        recompute = dict(recompute_granularity="selective",
+                         recompute_modules=list(t.recompute_modules or ["core_attn"]))
     config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, tensor_model_parallel_size=p.tp,
@@ -73,10 +85,13 @@ def build_model(cfg, device, cpu_initialization=None):
         fp16=dtype == torch.float16,
         use_cpu_initialization=device == "cpu" if cpu_initialization is None else cpu_initialization,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        persist_layer_norm=False, apply_rope_fusion=False, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, kv_channels=m.kv_channels, normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon, attention_backend=AttnBackend[m.attention_backend],
         add_bias_linear=not m.num_experts and not m.swiglu, deallocate_pipeline_outputs=True,
         num_query_groups=m.num_query_groups, gated_linear_unit=m.swiglu,
-        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu, **moe)
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu, **moe,
+        **recompute)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype != torch.float32,
         overlap_grad_reduce=cfg.train.overlap_grad_reduce,
@@ -87,8 +102,11 @@ def build_model(cfg, device, cpu_initialization=None):
         vp = vp_stage if p.vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(m.num_experts, moe_grouped_gemm=False),
+            transformer_layer_spec=get_gpt_layer_local_spec(m.num_experts, moe_grouped_gemm=False,
+                                                            normalization=m.normalization),
             vocab_size=padded_vocab, max_sequence_length=m.seq_length,
+            position_embedding_type=m.position_embedding_type, rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
             share_embeddings_and_output_weights=m.tie_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), vp_stage=vp)

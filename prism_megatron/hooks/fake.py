@@ -84,6 +84,7 @@ def install_fake(inst: Any) -> None:
         model = KernelCostModel.for_gpu(inst.cfg.emulation.target_gpu)
     except ValueError as err:
         raise ConfigError(f"emulation.target_gpu: {err}") from None
+    model.attention_backend = "cudnn" if inst.cfg.model.attention_backend == "fused" else "flash"
     allocator = AllocatorModel()
     inst.runtime.tracker.allocator = allocator
     cuda = torch.cuda

@@ -1,6 +1,6 @@
 """`prism-megatron calibrate --kernels`: measure kernel durations on this machine's GPU.
 
-Three sweeps, each timed on the device's clock (CUDA events around back-to-back launches, after
+Four sweeps, each timed on the device's clock (CUDA events around back-to-back launches, after
 warm-up, as nccl-tests and cuBLAS benchmarks time):
 
 1. **GEMMs**: `mm` over a grid of M, N, K (bf16 on a fine grid, fp32 and fp16 on a coarse one) in the
@@ -8,7 +8,9 @@ warm-up, as nccl-tests and cuBLAS benchmarks time):
 2. **Memory-bound families**: time against bytes moved, from 4 KiB to 4 GiB, for an elementwise binary
    op, a dtype conversion, a row reduction, a softmax, a layer norm, an embedding gather and a
    multi-tensor (`_foreach_`) update.
-3. **Exact ops** (`--ops FILE`, from a fake run's op list): each signature replayed as is on random
+3. **Fused attention** (kernels/attention.py): torch's flash and cuDNN attention, forward and backward,
+   over sequence lengths, head shapes and masking, and at the shapes of `--ops FILE`.
+4. **Exact ops** (`--ops FILE`, from a fake run's op list): each signature replayed as is on random
    data, so the shapes a model really runs are measured, not interpolated; with each, the scratch
    memory the op borrows from the caching allocator and returns before it ends (a fake run's
    allocator model replays that transient, which can be where the peak is).
@@ -361,11 +363,18 @@ def calibrate_kernels(out_path: str, ops_path: Optional[str] = None, quick: bool
         "cuda": torch.version.cuda, "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"), "host_figures": host_figures(torch),
     }
-    data["exact"] = []
+    from prism_megatron.kernels import attention
+
+    data["exact"], shapes = [], []
     if ops_path:
         with open(ops_path) as f:
             signatures = json.load(f)["ops"]
-        data["exact"] = replay_ops(torch, time_it, signatures, log)
+        shapes = [s for s in map(attention.attention_shape, signatures) if s is not None]
+        data["exact"] = replay_ops(torch, time_it, [s for s in signatures if attention.attention_shape(s) is None],
+                                   log)
+    data["attention"] = attention.time_shapes(torch, time_it, shapes, log)
+    data["attention"] += attention.sweep_attention(torch, time_it, log, seqs=attention.SWEEP_SEQ[::2]
+                                                   if quick else attention.SWEEP_SEQ)
     data["families"] = sweep_families(torch, time_it, log) if grid else {}
     data["gemm"] = sweep_gemms(torch, time_it, log, COARSE_SIZES if quick else BF16_SIZES) if grid else []
     from prism_megatron.util import atomic_write_text

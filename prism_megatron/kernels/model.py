@@ -9,7 +9,10 @@ Lookup order, and the `source` each prediction carries:
    a batched GEMM is costed as `batch` GEMMs' FLOPs at the efficiency of one (M*batch, N, K) GEMM.
 3. `family`: a memory-bound op takes the calibrated time-against-bytes curve of its family
    (elementwise, convert, reduction, softmax, layer_norm, gather, foreach), log-log interpolated.
-4. `roofline`: no calibration (H100/A100, or an op and dtype nothing covers): max(FLOPs / peak,
+4. `exact` / `attention-fit` for fused attention (torch's SDPA kernels, kernels/attention.py): the GPU
+   kernel of the configured backend (`attention_backend`: flash or cudnn) measured at that shape, or its
+   achieved FLOP/s interpolated over the calibrated shapes of its kind.
+5. `roofline`: no calibration (H100/A100, or an op and dtype nothing covers): max(FLOPs / peak,
    bytes / bandwidth) / the spec's achievable fraction, and never below the shortest kernel.
 
 GPU specs are documented dense peak figures (NVIDIA data sheets, SXM parts): H200 and H100 989 TFLOP/s
@@ -28,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from prism_megatron.kernels.attention import AttentionCosts, attention_shape
 from prism_megatron.kernels.signature import (
     GEMM_OPS,
     OpCall,
@@ -197,6 +201,12 @@ class KernelCostModel:
     (Adam's bias-corrected step sizes, a `_foreach_addcdiv_` ScalarList), so a later step finds the
     kernel measured with another step's values."""
 
+    attention: AttentionCosts = field(default_factory=AttentionCosts)
+    """Measured fused-attention kernels (kernels/attention.py)."""
+    attention_backend: str = "flash"
+    """The GPU kernel a fused attention op is priced as: flash or cudnn (the job's
+    model.attention_backend: flash -> flash, fused -> cudnn)."""
+
     def __post_init__(self) -> None:
         self.host_launch_s = self.host_launch_s or self.spec.host_launch_s
         self.min_kernel_s = self.min_kernel_s or self.spec.min_kernel_s
@@ -269,7 +279,8 @@ class KernelCostModel:
         return cls(spec, exact=exact, grids=grids, families=families, calibration=str(path), host_modules=modules,
                    host_launch_s=host.get("host_launch_s", 0.0), min_kernel_s=host.get("min_kernel_s", 0.0),
                    host_reference_s=host.get("host_reference_s", 0.0),
-                   exact_scratch=exact_scratch, scratch_rule=scratch_rule)
+                   exact_scratch=exact_scratch, scratch_rule=scratch_rule,
+                   attention=AttentionCosts(data.get("attention", [])))
 
     @property
     def source(self) -> str:
@@ -279,6 +290,13 @@ class KernelCostModel:
         """(device seconds, source) of one op; `free` and `comm` ops cost nothing here."""
         if call.kind in ("free", "comm"):
             return 0.0, "free"
+        shape = attention_shape(call.sig)
+        if shape is not None:
+            found = self.attention.predict(shape, self.attention_backend)
+            if found is not None:
+                return max(found[0], self.min_kernel_s), found[1]
+            call.flops = shape.flops
+            return self._roofline(call), "roofline"
         if self.exact:
             seconds = self.exact.get(key_of(call.sig))
             if seconds is None and call.kind != "gemm":

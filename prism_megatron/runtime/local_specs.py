@@ -7,8 +7,10 @@ implementations:
 - `WrappedTorchNorm` refuses sequence parallelism: the specs get `SequenceParallelTorchNorm`
   (runtime/norm.py), a torch norm whose weights carry `sequence_parallel` so their gradients are
   summed over tensor-parallel ranks, as apex's FusedLayerNorm does;
-- the local `DotProductAttention` refuses context parallelism: the local spec provider returns
-  `ContextParallelDotProductAttention` (runtime/cp_attention.py), TE's all-gather CP pattern;
+- the local `DotProductAttention` refuses context parallelism and is the only core attention: the
+  local spec provider returns `LocalCoreAttention` (runtime/sdpa_attention.py), which builds torch's
+  fused scaled_dot_product_attention for `--attention-backend flash|fused` and otherwise
+  `ContextParallelDotProductAttention` (runtime/cp_attention.py, TE's all-gather CP pattern);
 - megatron-core 0.16.1's MoE router names `te_general_gemm`, defined only when TE imports: it is
   defined as None so the router uses torch.
 """
@@ -33,15 +35,16 @@ def activate_local_specs(patches: PatchSet) -> None:
         from megatron.core.transformer.moe import moe_utils
     except ImportError:
         return
-    from prism_megatron.runtime.cp_attention import ContextParallelDotProductAttention
     from prism_megatron.runtime.norm import SequenceParallelTorchNorm
+    from prism_megatron.runtime.sdpa_attention import LocalCoreAttention
 
     if not hasattr(moe_utils, "te_general_gemm"):
         patches.patch(moe_utils, "te_general_gemm", None)
     # LocalSpecProvider.core_attention() returns this module-level name.
     if getattr(backends, "DotProductAttention", None) is DotProductAttention:
-        patches.patch(backends, "DotProductAttention", ContextParallelDotProductAttention)
-    for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"),
+        patches.patch(backends, "DotProductAttention", LocalCoreAttention)
+    # the provider's RMSNorm path sets and returns backends.WrappedTorchNorm itself
+    for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"), (backends, "WrappedTorchNorm"),
                         (transformer_block, "LayerNormImpl")):
         if getattr(getattr(owner, name, None), "__name__", "") == "WrappedTorchNorm":
             patches.patch(owner, name, SequenceParallelTorchNorm)
