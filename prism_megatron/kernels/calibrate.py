@@ -364,6 +364,7 @@ def calibrate_kernels(out_path: str, ops_path: Optional[str] = None, quick: bool
         "date": time.strftime("%Y-%m-%d"), "host_figures": host_figures(torch),
     }
     from prism_megatron.kernels import attention
+    import prism_megatron.kernels.ops  # noqa: F401 - registers prism::fused_rms_norm, which --ops files name
 
     data["exact"], shapes = [], []
     if ops_path:

@@ -81,6 +81,7 @@ _FAMILY_OF_OP = {
     "aten._softmax.default": "softmax", "aten._softmax_backward_data.default": "softmax",
     "aten._log_softmax.default": "softmax", "aten._log_softmax_backward_data.default": "softmax",
     "aten.native_layer_norm.default": "layer_norm", "aten.native_layer_norm_backward.default": "layer_norm",
+    "prism.fused_rms_norm.default": "layer_norm", "aten._fused_rms_norm_backward.default": "layer_norm",
     "aten.embedding.default": "gather", "aten.embedding_dense_backward.default": "gather",
     "aten.index_select.default": "gather", "aten.gather.default": "gather",
     "aten.sum.dim_IntList": "reduction", "aten.mean.dim": "reduction", "aten.sum.default": "reduction",
