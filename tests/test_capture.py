@@ -374,3 +374,19 @@ def test_the_merged_graph_says_where_its_slices_ran_not_where_the_parent_guessed
     assert _ran_on([ran(0, "cuda", "real"), ran(1, "cuda", "real")]) == ("cuda", "real")
     with pytest.raises(CaptureFailed, match="rank 1: fake on cpu"):
         _ran_on([ran(0, "cuda", "real"), ran(1, "cpu", "fake")])
+
+
+@pytest.mark.slow
+def test_relative_config_and_out_paths_mean_what_they_say_where_the_command_runs(tmp_path):
+    """`capture --config runs/x/config.yaml --out runs/x/cap` from the job's own folder."""
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    config = (REPO / "prism_megatron" / "configs" / "tiny_8192.yaml").read_text()
+    (tmp_path / "runs" / "x" / "config.yaml").write_text(config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prism_megatron.cli", "capture", "--config", "runs/x/config.yaml", "--out",
+         "runs/x/cap", "emulation.virtual_world_size=4", "parallel.tp=2", "parallel.pp=2",
+         "train.global_batch_size=4"],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "runs" / "x" / "cap" / "graph.prism").is_file()
+    assert not (REPO / "runs" / "x").exists()

@@ -401,6 +401,9 @@ class PrismConfig:
             if changed:
                 raise ConfigError(f"{', '.join(changed)}: megatron-core layer choices that the DeepSpeed "
                                   "example does not build; drop them or use train.framework=megatron")
+        if self.emulation.execution == "fake" and self.emulation.virtual_world_size is None:
+            raise ConfigError("emulation.execution=fake needs a virtual world (its peers are ghosts): set "
+                              "emulation.virtual_world_size (1 for the job of one rank)")
         e = self.emulation
         if e.clock == "realtime" and (e.delay_plan is None or e.virtual_world_size is None
                                       or self.trace.path is None):
