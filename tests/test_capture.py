@@ -278,6 +278,7 @@ runpy.run_path({example!r}, run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatch):
     from prism_megatron.capture.run import Capture, CaptureFailed
     from prism_megatron.config import ConfigError, load_config

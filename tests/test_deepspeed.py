@@ -103,6 +103,7 @@ def test_zero_model_states_at_virtual_dp_1024_are_deepspeeds_per_rank_share(tmp_
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.slow
 def test_no_ghosts_virtualized_equals_plain(tmp_path, stage):
     common = ["--deepspeed-config", _config(stage), "--global-batch-size", "16", "--train-iters", "3"]
     _run(common, tmp_path / "plain{rank}.json", nproc=4)
@@ -126,6 +127,7 @@ def test_bad_deepspeed_config_is_one_line_and_exit_2(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_deepspeed_job_runs_through_capture_simulation_and_emulation(tmp_path):
     """`prism-megatron run train.framework=deepspeed`: the slice and the sandbox run
     examples/deepspeed_train.py; the graph holds ZeRO's collectives over the data-parallel world and
@@ -157,6 +159,7 @@ def test_a_deepspeed_job_runs_through_capture_simulation_and_emulation(tmp_path)
     assert sandbox["virtual_rank"] == 5 and sandbox["peak_allocated_bytes"] == g.peak_bytes
 
 
+@pytest.mark.slow
 def test_a_deepspeed_pipeline_captured_stage_by_stage_has_the_real_runs_memory(tmp_path):
     """PP4 (DeepSpeed's PipelineModule, 1F1B, ZeRO-1): the capture runs each stage as one process
     among ghost stages (a ghost previous stage's activation metadata computed on the meta device);
@@ -202,6 +205,7 @@ def test_a_deepspeed_pipeline_captured_stage_by_stage_has_the_real_runs_memory(t
         assert [graph.string(i) for i in g.spans["name"]].count("forward") == 4  # 8 / (2 x 1) microbatches
 
 
+@pytest.mark.slow
 def test_launch_runs_the_deepspeed_script_as_the_direct_run(tmp_path):
     """`prism-megatron launch -- examples/deepspeed_train.py ... --prism-*`: the launcher installs the
     hooks and the script's own install returns that installation: the same losses and memory as the
@@ -220,6 +224,7 @@ def test_launch_runs_the_deepspeed_script_as_the_direct_run(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.slow
 def test_ghost_shards_keep_the_model_at_virtual_dp_1024(tmp_path, stage):
     """ZeRO-3 at DP 1024 cuts this model's small parameters into shards of a few elements; the ghosts'
     shards are their initial values (hooks/deepspeed.py `_patch_ghost_shards`), not copies of rank 0's

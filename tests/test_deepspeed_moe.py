@@ -66,6 +66,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("capacity", [None, "1.0"])
+@pytest.mark.slow
 def test_a_sandbox_among_ghost_experts_logs_and_holds_what_the_real_rank_does(tmp_path, capacity):
     args = ["--num-experts", "8", "--expert-model-parallel-size", "4", "--global-batch-size", "16",
             "--train-iters", "2", "--prism-moe-imbalance", "dirichlet(0.5)"]

@@ -23,6 +23,7 @@ def _run(*args, timeout=900):
                           text=True, env=ENV, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_run_captures_once_then_emulates_the_sandbox(tmp_path):
     first = _run(*JOB, "--out", str(tmp_path / "r"), "--sandbox", "last-stage", "--json",
                  str(tmp_path / "a.json"))

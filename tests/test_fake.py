@@ -62,6 +62,7 @@ def captures(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rank", [0, 3, 5, 6])
+@pytest.mark.slow
 def test_fake_and_real_capture_give_the_same_graph(captures, rank):
     real, fake = captures["real"], captures["fake"]
     a, b = _program(real, real.graph_of(rank)), _program(fake, fake.graph_of(rank))
@@ -77,6 +78,7 @@ def test_fake_and_real_capture_give_the_same_graph(captures, rank):
     assert real.meta["execution"] == "real" and real.meta["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_a_fake_class_takes_the_shorter_of_its_two_probes_node_by_node(captures):
     """The two probes of a verified class ran one program against one cost model under fake
     execution: each node lasts the shorter of their two measures (host work measured on a busy CPU
@@ -335,6 +337,7 @@ MOE = ["--device", "cpu", "--prism-virtual-world-size", "2", "--prism-sandbox-ra
        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2"]
 
 
+@pytest.mark.slow
 def test_moe_under_fake_execution_routes_by_the_model_like_the_real_run(tmp_path):
     """Token counts are data: under fake execution they come from the routing model and are real
     integers, so the dispatcher's splits and every expert's tokens, hence memory and communication,

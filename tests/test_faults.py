@@ -164,6 +164,7 @@ def test_fit_finds_the_straggler_from_compute_times_and_admits_ties_from_iterati
     assert not unsure["identifiable"] and 6 in unsure["ties"] and len(unsure["ties"]) > 1
 
 
+@pytest.mark.slow
 def test_the_faults_command_reports_impact_heatmap_and_fit(tmp_path):
     world = VirtualWorld(world_size=64, tp=2, pp=4)
     graph = synthetic_graph(world, microbatches=4)
@@ -192,6 +193,7 @@ def test_the_faults_command_reports_impact_heatmap_and_fit(tmp_path):
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_real_straggler_is_matched_by_the_emulation_with_the_same_fault(tmp_path):
     """Real data-parallel processes (4 where the machine has 4 cores, else 2: more processes than
     cores measure contention, not the fault), rank 1 slowed x1.5 for real (faults/inject.py: a

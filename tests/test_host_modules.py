@@ -133,6 +133,7 @@ def test_fake_execution_adds_a_modules_figure_to_each_of_its_ops():
     assert per_call[0] - plain == pytest.approx(5e-3)
 
 
+@pytest.mark.slow
 def test_calibrate_host_modules_measures_a_job_and_the_model_reads_its_table(tmp_path):
     calibration = tmp_path / "cal.json"
     shutil.copy(shipped_calibration("h200"), calibration)

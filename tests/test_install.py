@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "prism_megatron")
 """What `pip install .` reads: copied first, so the build writes nothing into the checkout."""
@@ -34,6 +36,7 @@ def _install(tmp_path: Path) -> Path:
     return site
 
 
+@pytest.mark.slow
 def test_the_installed_package_trains_its_default_job_outside_the_checkout(tmp_path):
     site = _install(tmp_path)
     work = tmp_path / "work"  # no configs/, no examples/ here

@@ -148,6 +148,7 @@ def test_a_killed_sweep_leaves_no_slice_and_no_partial_file(tmp_path):
     _kill_and_check(proc, tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_a_stopped_sandbox_peer_is_an_error_naming_it_within_the_peer_timeout(job, tmp_path):
     _, graph = job
     out = tmp_path / "out"

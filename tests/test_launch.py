@@ -65,6 +65,7 @@ def test_an_unmodified_strict_script_runs_as_a_rank_of_the_virtual_world(tmp_pat
     assert not any(a.startswith("--prism") for a in got["argv"])  # the script never saw them
 
 
+@pytest.mark.slow
 def test_the_example_through_launch_is_the_example_run_directly(tmp_path):
     """examples/pretrain_gpt.py reads the --prism-* flags itself: under launch they reach it through
     the environment, and its own install() is the launch's; the run is the same, number for number."""

@@ -87,6 +87,7 @@ def test_the_last_rank_prints_finite_losses(megatron_lm):
 
 @pytest.mark.parametrize("sandboxes", [("8190", "8191"), ("8184", "8191")],
                          ids=["ghost-tp-source", "sandbox-tp-source"])
+@pytest.mark.slow
 def test_two_sandboxes_of_one_tp_group(megatron_lm, tmp_path, sandboxes):
     """`--nproc-per-node 2`: two processes, two last-stage ranks of one TP group, their TP collectives
     between them for real. With rank 8184 a sandbox, it is the TP source and its partner receives the
@@ -125,6 +126,7 @@ def test_a_virtual_world_size_in_a_plain_process_is_one_line_not_a_hang(tmp_path
     assert "8192 physical process(es) announced" in proc.stdout and "prism-megatron launch" in proc.stdout
 
 
+@pytest.mark.slow
 def test_capture_then_emulate_megatron_lms_own_script(megatron_lm, tmp_path):
     """`prism-megatron capture --out DIR -- pretrain_gpt.py ...` (the job as the user runs it, with a
     --train-iters the hooks cut to the recorded three), then `emulate` of rank 4711: six slices, the

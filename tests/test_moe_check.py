@@ -32,6 +32,7 @@ def _check(tmp_path, *args):
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow
 def test_skew_predicts_every_rank_and_a_small_capacity_is_an_oom_with_exit_3(tmp_path):
     ok, roomy = _check(tmp_path, "moe.imbalance=zipf(1.2)", "--capacity", "1GiB")
     assert ok.returncode == 0, ok.stderr[-3000:]

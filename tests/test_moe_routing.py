@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from prism_megatron.graph import load_graph
 from prism_megatron.moe.imbalance import Imbalance
@@ -53,6 +54,7 @@ def _tokens_match_the_model(path: str, rank: int) -> list[int]:
     return seen
 
 
+@pytest.mark.slow
 def test_experts_receive_exactly_the_modelled_tokens_real_and_as_sandbox(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
@@ -115,6 +117,7 @@ def test_replay_of_a_logged_run_gives_a_sandbox_the_real_tokens(tmp_path):
     assert len(got) == 12 and got == want
 
 
+@pytest.mark.slow
 def test_with_a_capacity_factor_a_sandbox_receives_the_kept_tokens_the_real_rank_receives(tmp_path):
     """megatron drops what exceeds the capacity (probs policy); the ghosts' counts in the dispatcher's
     exchange are then the kept ones, min(load, capacity), so the sandbox's experts get what the real

@@ -39,6 +39,7 @@ def reported(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_page_holds_every_chart_and_says_where_each_figure_came_from(reported):
     page = (reported / "report.html").read_text()
     for chart in ("memory-chart", "moe-heatmap", "pipeline-timeline"):
@@ -58,6 +59,7 @@ def test_the_page_holds_every_chart_and_says_where_each_figure_came_from(reporte
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed here (CI installs it)")
+@pytest.mark.slow
 def test_headless_chromium_renders_the_charts(reported):
     profile = reported / "chromium-profile"
     proc = subprocess.run(
@@ -108,6 +110,7 @@ def _png_pixels(path: Path) -> tuple[int, int, int, bytes]:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed here (CI installs it)")
+@pytest.mark.slow
 def test_a_screenshot_shows_the_charts(reported):
     """The page as Chromium paints it: the memory chart's bars (teal, the sandbox red) and the
     timeline's forward (blue) and backward (orange) spans are on screen."""

@@ -196,6 +196,7 @@ def test_simulate_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_calibrate_on_cpu_measures_every_op_and_group_size(tmp_path):
     out = tmp_path / "cal.json"
     proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "calibrate", "--device", "cpu",

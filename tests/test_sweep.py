@@ -43,6 +43,7 @@ def _rows(out: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_rerunning_finished_points(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "prism_megatron.cli", "sweep", "-m", *SWEEP, "--cluster", "cpu_host",

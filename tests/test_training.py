@@ -81,6 +81,7 @@ def test_one_process_plays_a_rank_of_8192(tmp_path, name, args, rank, stage):
     ("TP2 SP EP2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "4",
                     "--expert-model-parallel-size", "2"]),
 ])
+@pytest.mark.slow
 def test_no_ghosts_reproduces_the_plain_run(tmp_path, name, args):
     common = ["--device", "cpu", "--global-batch-size", "8", "--train-iters", "2", *args]
     # The numbers must agree at once. Peak memory gets one more pair of runs: in two of three CI runs
@@ -155,6 +156,7 @@ def test_ghost_data_stays_finite_and_bounded_over_iterations(tmp_path, args):
     assert max(norms) < 3 * min(norms), norms
 
 
+@pytest.mark.slow
 def test_context_parallel_on_cpu_matches_the_unsplit_sequence(tmp_path):
     """CP2 (2 gloo processes) sees the same tokens as CP1: the mean of its ranks' losses and its
     gradient norm equal the CP1 run's (fp32 rounding aside)."""

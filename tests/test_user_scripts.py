@@ -137,6 +137,7 @@ def user_script(tmp_path) -> Path:
     return script
 
 
+@pytest.mark.slow
 def test_a_users_megatron_core_script_is_captured_and_emulated(user_script, tmp_path):
     """TP2 PP2 over 64 virtual ranks, its flags read for the world and the microbatches; its
     --train-iters 1000 stops after the recorded iterations (emulation.stop_after)."""
@@ -164,6 +165,7 @@ def test_a_users_megatron_core_script_is_captured_and_emulated(user_script, tmp_
     assert run["iterations"] == 3 and len(run["iteration_times_ms"]) == 3  # the hooks' own summary
 
 
+@pytest.mark.slow
 def test_an_override_rewrites_the_scripts_flag_and_a_sweep_sweeps_it(user_script, tmp_path):
     """`parallel.tp=1,2` over the script: each point runs the script with its own
     --tensor-model-parallel-size; a job key without a flag the script can take fails the point
@@ -190,6 +192,7 @@ def test_a_script_whose_batch_differs_from_the_config_is_named_not_captured_wron
     assert "--micro-batch-size" in proc.stderr and not (tmp_path / "cap" / "graph.prism").exists()
 
 
+@pytest.mark.slow
 def test_a_users_deepspeed_script_runs_through_capture_and_emulation(tmp_path):
     """Its flags are its own, so the job's shape is the config's (train.framework=deepspeed, the batch
     sizes); the capture checks the world the script builds."""
@@ -222,6 +225,7 @@ def test_a_bad_script_argument_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_validate_measures_a_users_script_against_its_emulation(user_script, tmp_path):
     """`prism-megatron validate --world 2 -- SCRIPT ARGS`: the script's plain TP2 run (two gloo
     processes, the hooks' own per-rank summary) against the capture and emulation of the same command;
@@ -251,6 +255,7 @@ def test_config_shows_what_a_command_would_run(user_script, tmp_path):
     assert default.returncode == 0 and "virtual_world_size: 8192" in default.stdout
 
 
+@pytest.mark.slow
 def test_a_faulted_sandbox_of_a_users_script_is_slower_and_reported(user_script, tmp_path):
     """`run` of the script with a straggler on its sandbox (`faults.inject=slow(5, 2)`): the sandbox
     slows its own compute for real (the schedule hooks stretch its steps, whoever wrote the loop), the
