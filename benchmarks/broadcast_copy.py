@@ -3,7 +3,7 @@
 Under the `mirror` policy with one real member, a gather's output is our shard repeated once per
 member: one copy whose source is our shard broadcast over the rows. On an H200 the GPT-175B rank's
 sequence-parallel all-gather (8 slots of 6 MiB, bf16) took 44 us of device time per call this way,
-4.4 % of the rank's compute (`scale-2026-12-03/op_device.py`). Ways timed, per shape:
+4.4 % of the rank's compute. Ways timed, per shape:
 
 - `expand`: `dst.copy_(row.expand(k, -1))` in the tensor's own dtype (what the backend did);
 - `widened`: the native `copy_broadcast(widen=1)` (comm/native.py), the same copy with both sides viewed as the

@@ -10,7 +10,7 @@ the GPU's SM clock, power and temperature sampled (prism_megatron/faults/telemet
 - back to back: `emulate --pace off` (the same kernels, every collective ending at once: no gaps).
 
 Prints the two telemetry summaries side by side and writes them, with the emulations' figures, to
-benchmarks/results/duty_cycle-<machine>-<date>.json.
+benchmarks/results/duty_cycle.json (or --json PATH).
 
     python benchmarks/duty_cycle.py [--iters 8] [--out DIR]
 """
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,8 +70,7 @@ def main() -> int:
                        ("power_w_mean", "power mean (W)"), ("power_w_max", "power max (W)"),
                        ("temp_c_max", "temperature max (C)"), ("capped_fraction", "capped fraction")):
         print(f"{label:>24}{a.get(key, float('nan')):>14.2f}{b.get(key, float('nan')):>14.2f}")
-    path = args.json or str(REPO / "benchmarks" / "results" /
-                            f"duty_cycle-{platform.node()}-{date.today()}.json")
+    path = args.json or str(REPO / "benchmarks" / "results" / "duty_cycle.json")
     atomic_write_text(path, json.dumps({"job": JOB, "iters": args.iters, "cluster": args.cluster,
                                         "results": results}, indent=1))
     print(f"results: {path}")

@@ -6,15 +6,15 @@ kernel costs of the shipped H200 calibration, the CUDA caching-allocator model) 
 same network model and calibration as the GPU harness. The prediction is compared with figures measured
 on the H200 machine and committed:
 
-- iteration time: the real 2-GPU job's median (benchmarks/results/fidelity-h200x2-*.json, the runs of
-  issue 5; `--real FILE` names others);
+- iteration time: the real 2-GPU job's median (benchmarks/results/fidelity.json, fidelity-zero2.json and
+  fidelity-moe_ep2.json; `--real FILE` names others);
 - peak allocated and reserved memory: the caching allocator of the sandbox rank on one H200
-  (benchmarks/results/gpu-memory-h200-2026-12-01/<config>.npz from benchmarks/gpu_memory_trace.py; its
+  (benchmarks/results/gpu_memory_trace/<config>.npz from benchmarks/gpu_memory_trace.py; its
   allocated peak equals the real 2-GPU job's to the byte, checked in the table).
 
     python benchmarks/fake_fidelity.py [--configs tp2 pp2_1f1b dp2_distopt_overlap] [--json PATH]
 
-Writes benchmarks/results/fake_fidelity-<machine>-<date>.json unless --json says otherwise.
+Writes benchmarks/results/fake_fidelity.json unless --json says otherwise.
 """
 
 from __future__ import annotations
@@ -36,14 +36,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 RESULTS = REPO / "benchmarks" / "results"
-REAL = {  # config -> committed real 2x H200 runs (issue 5), newest calibration first
-    "tp2": ["fidelity-h200x2-2026-11-30-devicecal-three.json",
-            "fidelity-h200x2-2026-11-30-tp2-zero2-devicecal.json"],
-    "pp2_1f1b": ["fidelity-h200x2-2026-11-30-devicecal-three.json"],
-    "dp2_distopt_overlap": ["fidelity-h200x2-2026-11-30-devicecal-three.json"],
-    "moe_ep2": ["fidelity-h200x2-2026-11-30-devicecal-moe.json"],
+REAL = {  # config -> committed real 2x H200 runs (benchmarks/fidelity.py)
+    "tp2": ["fidelity.json", "fidelity-zero2.json"],
+    "pp2_1f1b": ["fidelity.json"],
+    "dp2_distopt_overlap": ["fidelity.json"],
+    "moe_ep2": ["fidelity-moe_ep2.json"],
 }
-MEMORY = RESULTS / "gpu-memory-h200-2026-12-01"
+MEMORY = RESULTS / "gpu_memory_trace"
 MEMORY_FILES = {"tp2": "tp2.npz", "pp2_1f1b": "pp2.npz", "dp2_distopt_overlap": "dp2.npz",
                 "moe_ep2": "moe.npz"}
 
@@ -101,9 +100,9 @@ def main() -> int:
     if unknown:
         print(f"error: configs {unknown}: expected some of {', '.join(REAL)}", file=sys.stderr)
         return 2
-    calibration_path = RESULTS / "calibration-h200x2-2026-11-30-device.json"
+    calibration_path = RESULTS / "calibration-h200x2.json"
     calibration = Calibration.from_json(calibration_path.read_text())
-    path = args.json or str(RESULTS / f"fake_fidelity-{platform.node()}-{date.today()}.json")
+    path = args.json or str(RESULTS / "fake_fidelity.json")
     rows = []
     print(f"{'config':>20}{'real ms':>10}{'fake ms':>10}{'error':>8}{'alloc err':>11}{'reserved err':>14}"
           f"{'capture s':>11}")

@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +58,7 @@ def main() -> int:
         rows.append(row)
         print(f"{world.world_size:>6}{len(graph.roles):>7}{micro:>7}{nodes:>9}{build_s:>9.3f}"
               f"{save_s:>8.3f}{load_s:>8.3f}{checked_s:>14.3f}{size / 1024:>10.0f}")
-    path = args.json or str(REPO / "benchmarks" / "results" /
-                            f"graph_io-{platform.node()}-{date.today().isoformat()}.json")
+    path = args.json or str(REPO / "benchmarks" / "results" / "graph_io.json")
     atomic_write_text(path, json.dumps({"benchmark": "graph_io", "rows": rows}, indent=1))
     print(f"goal: load + check under 1 s at N = 8192; wrote {path}")
     return 0

@@ -11,7 +11,7 @@
 #                What comes back to $OUT: the logs and JSON summaries, capture.tar.gz (slices, their
 #                logs, graph) and emulation.tar.gz (the sandbox's trace, summary and report).
 # Run from the repository root with ARCHIVE (../shared/vendor/'s tarball) and OUT set; the package is
-# importable from the checkout (and /tmp/site where run_device.sh installed the wheels).
+# importable from the checkout (or from /tmp/site, where the wheels of .whl/ are installed).
 set -o pipefail
 : "${OUT:?set OUT}" "${ARCHIVE:?set ARCHIVE to megatron-lm-core_v0.16.1-training.tar.gz}"
 repo=$(pwd)

@@ -325,8 +325,7 @@ def print_table(rows: list[dict], per_call: dict | None, iters: int, warmup: int
 
 
 def default_json_path() -> str:
-    date = datetime.date.today().isoformat()
-    return os.path.join(RESULTS_DIR, f"prism_overhead-{socket.gethostname()}-{date}.json")
+    return os.path.join(RESULTS_DIR, "prism_overhead.json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -343,8 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", default=None,
-                        help="results file (default: benchmarks/results/"
-                             "prism_overhead-<hostname>-<date>.json)")
+                        help="results file (default: benchmarks/results/prism_overhead.json)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

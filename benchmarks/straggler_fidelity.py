@@ -7,7 +7,7 @@ both; the per-rank medians (after 2 warm-up iterations) and their errors are pri
 the median over the repetitions of each side, its run-to-run spread and their error (a CPU process's
 compute moves by about 5 % from one process to the next on the 2-core VM, captures and real runs
 alike, so one repetition's error carries that noise); all written to
-benchmarks/results/straggler_fidelity-<machine>-<date>.json.
+benchmarks/results/straggler_fidelity.json (or --json PATH).
 
 CPU processes are not GPUs: the P processes of the real job share one host, and a lone capture
 slice's compute need not be theirs (on the 16-core H200 host, P = 4, the emulation from lone
@@ -28,13 +28,11 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +53,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--fault", default="slow(1, 1.5)")
     parser.add_argument("--calibration", default=str(REPO / "benchmarks" / "results" /
-                                                     "calibration-cpu4-vm-2026-11-30.json"))
+                                                     "calibration-cpu4.json"))
     parser.add_argument("--json", default=None)
     parser.add_argument("--graph", choices=("capture", "recorded"), default="capture",
                         help="capture: the clean job's graph from `Capture` (one lone slice process); "
@@ -128,8 +126,7 @@ def main() -> int:
     errors = [abs(r["err_pct"]) for r in medians]
     print(f"medians over {args.reps} repetitions: mean |error| {statistics.mean(errors):.2f}%, "
           f"max {max(errors):.2f}%")
-    path = args.json or str(REPO / "benchmarks" / "results" /
-                            f"straggler_fidelity-{platform.node()}-{date.today()}.json")
+    path = args.json or str(REPO / "benchmarks" / "results" / "straggler_fidelity.json")
     atomic_write_text(path, json.dumps({"nproc": n, "fault": args.fault, "calibration": args.calibration,
                                         "cores": os.cpu_count(), "graph": args.graph, "co_load": args.co_load, "rows": rows,
                                         "medians": medians},

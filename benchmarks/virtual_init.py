@@ -18,7 +18,6 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,8 +84,7 @@ def main() -> int:
             print(f"{name:<18}{n:>7}{row['init_process_group_s']:>11.3f}"
                   f"{row['initialize_model_parallel_s']:>13.3f}{row['total_init_s']:>9.3f}"
                   f"{row['groups_member']:>8}{row['rss_bytes'] / 2**20:>9.0f}")
-    path = args.json or str(REPO / "benchmarks" / "results" /
-                            f"virtual_init-{platform.node()}-{date.today().isoformat()}.json")
+    path = args.json or str(REPO / "benchmarks" / "results" / "virtual_init.json")
     from prism_megatron.util import atomic_write_text
 
     atomic_write_text(path, json.dumps({"benchmark": "virtual_init", "host": platform.node(),

@@ -35,8 +35,8 @@ configs: its real run is the script under torchrun as `--world` processes (throu
 launch` without a virtual world, whose summary gives each rank's iteration times and peak memory),
 its emulation the capture and emulation of the same command at a virtual world of that size.
 
-Writes fidelity-<machine>-<date>.json in the current folder (benchmarks/fidelity.py: in
-benchmarks/results/) unless --json says otherwise.
+Writes fidelity.json in the current folder (benchmarks/fidelity.py: in benchmarks/results/) unless
+--json says otherwise.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Optional
 
 import yaml
 
-COMMITTED_CALIBRATION = "calibration-h200x2-2026-11-30-device.json"
+COMMITTED_CALIBRATION = "calibration-h200x2.json"
 """The 2-GPU network calibration a results folder holds (benchmarks/results/), used on cuda for <= 2 ranks."""
 
 # name -> (world, config overrides, sandbox specs)
@@ -385,8 +385,7 @@ def main(argv: Optional[list[str]] = None, results_dir: Optional[Path] = None) -
         return 2
     world = max(CONFIGS[c][0] for c in args.configs)
     cluster = args.cluster or ("cpu_host" if args.device == "cpu" else "h200x2" if world <= 2 else "dgx_h200")
-    machine = "h200" if args.device == "cuda" else platform.node()
-    path = args.json or str(Path(results_dir or ".") / f"fidelity-{machine}-{date.today()}.json")
+    path = args.json or str(Path(results_dir or ".") / "fidelity.json")
     calibration, calibration_from = _calibration(args, world, results_dir)
     print(f"network: {cluster}, calibration {calibration_from}")
     rows = []

@@ -295,8 +295,7 @@ def test_an_exact_elementwise_time_holds_for_other_scalar_values():
 def test_gemm_grid_predicts_the_measured_model_gemms():
     """Off the exact table, the grid's interpolation predicts the large GEMMs of the [D] configs that
     were measured as they are (hidden 4096, TP2 shards): median error within 25 %. (The grid, swept for
-    a minute back to back, reads 10-20 % slower than the same shapes replayed in short bursts; see
-    benchmarks/results/fake-2026-12-01.md.)"""
+    a minute back to back, reads 10-20 % slower than the same shapes replayed in short bursts.)"""
     model = KernelCostModel.for_gpu("h200")
     errors = []
     grid_only = KernelCostModel(model.spec, grids=model.grids, families=model.families)

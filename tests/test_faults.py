@@ -230,7 +230,7 @@ def test_a_real_straggler_is_matched_by_the_emulation_with_the_same_fault(tmp_pa
     faulted.write_text(to_yaml(load_config([*shape, f"faults.inject={fault}"])))
     clean_job.write_text(to_yaml(load_config(shape)))
     calibration = Calibration.from_json(
-        (REPO / "benchmarks" / "results" / "calibration-cpu4-vm-2026-11-30.json").read_text())
+        (REPO / "benchmarks" / "results" / "calibration-cpu4.json").read_text())
 
     def real_run(config, tag, *extra):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),

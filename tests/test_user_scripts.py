@@ -230,7 +230,7 @@ def test_validate_measures_a_users_script_against_its_emulation(user_script, tmp
     """`prism-megatron validate --world 2 -- SCRIPT ARGS`: the script's plain TP2 run (two gloo
     processes, the hooks' own per-rank summary) against the capture and emulation of the same command;
     the sandbox's peak memory is the real rank's to the byte."""
-    calibration = REPO / "benchmarks" / "results" / "calibration-cpu4-vm-2026-11-30.json"
+    calibration = REPO / "benchmarks" / "results" / "calibration-cpu4.json"
     proc = _cli("validate", "--reps", "1", "--iters", "4", "--warmup", "1", "--world", "2",
                 "--calibration", str(calibration), "--json", "v.json", "--", user_script.name,
                 "--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
