@@ -67,7 +67,10 @@ def _program(graph, g) -> dict:
             "nodes": nodes, "deps": (g.dep_ptr.tolist(), g.dep_idx.tolist()), "spans": spans}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# One layout in the default run; the others (each a real 8-process run and a capture of a minute or
+# more) in .ci/run's slow pass.
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=() if n == "tp2pp2dp2" else pytest.mark.slow)
+                                        for n in sorted(CONFIGS)])
 def real_and_captured(request, tmp_path_factory):
     name, c = request.param, CONFIGS[request.param]
     tmp = tmp_path_factory.mktemp(name)

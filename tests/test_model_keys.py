@@ -137,6 +137,7 @@ def test_selective_recompute_of_core_attention(run):
     assert selective["aten.gelu.default"] == plain["aten.gelu.default"]
 
 
+@pytest.mark.slow
 def test_moe_shared_expert_and_sigmoid_router(run):
     moe = ["model=tiny_moe", "model.hidden_size=64", "moe.imbalance=force-balanced"]
     base, base_ops = run(*moe)

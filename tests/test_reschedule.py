@@ -53,7 +53,9 @@ def _record(name: str, tmp: Path) -> dict[int, list[ExecutionGraph]]:
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
+# tp2 in the default run; the 4-stage pipeline (four recordings of a minute) in .ci/run's slow pass.
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow if n == "pp4_1f1b" else ())
+                                        for n in sorted(RUNS)])
 def recordings(request, tmp_path_factory):
     return request.param, RUNS[request.param][2], _record(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -80,8 +82,8 @@ def _only(graph: ExecutionGraph):
     return g
 
 
-def test_rewritten_graph_is_the_program_the_other_batch_size_ran(recordings, tmp_path):
-    name, (small, large), graphs = recordings
+def test_rewritten_graph_is_the_program_the_other_batch_size_ran(recordings):
+    _, (small, large), graphs = recordings
     m_small, m_large = (microbatches_of(graphs[s][0]) for s in (small, large))
     assert (m_small, m_large) == (small // 2, large // 2)
     for a, b, target in ((small, large, m_large), (large, small, m_small)):
@@ -97,17 +99,15 @@ def test_rewritten_graph_is_the_program_the_other_batch_size_ran(recordings, tmp
             for span in ("microbatch", "chunk", "first", "last"):
                 assert np.array_equal(rewritten.spans[span], real.spans[span]), (rank, span)
             assert len(rewritten.mem_t_s) == len(rewritten.mem_bytes)
-    # The last stage keeps a few bytes per microbatch (its reduced losses); nothing else moves. The
-    # peaks get one more pair of recordings: once in CI (a fresh, loaded 2-core machine) the first
-    # stage's peak of one recording was one activation buffer (16 KB) lower, while every repetition
-    # here, pinned to one core under load included, was identical; the cause is not found. A real
-    # difference shows in both pairs.
-    bound = 16 * abs(m_large - m_small)
+    # The last stage keeps a few bytes per microbatch (its reduced losses); nothing else moves in the
+    # program. Between two real recordings of one program, though, a stage's peak varies by one or two
+    # activation buffers (mbs x seq x hidden fp32, 16 KB here; seen in CI, not on an idle machine): which
+    # in-flight pipeline buffer is still alive at the peak follows the peers' timing. The rewrite is held
+    # to that, and no looser.
+    activation_bytes = 2 * 32 * 64 * 4
+    bound = 2 * activation_bytes + 16 * abs(m_large - m_small)
     misses = _peak_misses(graphs, small, large, m_small, m_large, bound)
-    if misses:
-        print(f"peak (rewritten, recorded) differs: {misses}; recording both batch sizes again")
-        again = _peak_misses(_record(name, tmp_path), small, large, m_small, m_large, bound)
-        assert not again, f"peaks differ in two pairs of recordings: {misses}, then {again}"
+    assert not misses, f"rewritten peaks miss the recorded ones by more than {bound} B: {misses}"
 
 
 def _peak_misses(graphs, small, large, m_small, m_large, bound) -> list:
@@ -116,7 +116,7 @@ def _peak_misses(graphs, small, large, m_small, m_large, bound) -> list:
     for a, b, target in ((small, large, m_large), (large, small, m_small)):
         for rank, (ga, gb) in enumerate(zip(graphs[a], graphs[b])):
             rewritten, real = _only(with_microbatches(ga, target)).peak_bytes, _only(gb).peak_bytes
-            if abs(rewritten - real) > min(bound, 1e-4 * real):
+            if abs(rewritten - real) > bound:
                 misses.append((a, rank, rewritten, real))
     return misses
 
