@@ -100,11 +100,12 @@ def test_rewritten_graph_is_the_program_the_other_batch_size_ran(recordings):
                 assert np.array_equal(rewritten.spans[span], real.spans[span]), (rank, span)
             assert len(rewritten.mem_t_s) == len(rewritten.mem_bytes)
     # The last stage keeps a few bytes per microbatch (its reduced losses); nothing else moves in the
-    # program. Between two real recordings of one program, though, a stage's peak varies by one or two
-    # activation buffers (mbs x seq x hidden fp32, 16 KB here; seen in CI, not on an idle machine): which
-    # in-flight pipeline buffer is still alive at the peak follows the peers' timing. The rewrite is held
-    # to that, and no looser.
-    activation_bytes = 2 * 32 * 64 * 4
+    # program. Between two real recordings of one program, though, a stage's peak has differed by one or
+    # two activation buffers (mbs x seq x hidden fp32) in CI, never on an idle machine; the cause is not
+    # found. The rewrite is held to that, and no looser.
+    arg = TINY.index
+    activation_bytes = 4 * int(TINY[arg("--micro-batch-size") + 1]) * int(TINY[arg("--seq-length") + 1]) \
+        * int(TINY[arg("--hidden-size") + 1])
     bound = 2 * activation_bytes + 16 * abs(m_large - m_small)
     misses = _peak_misses(graphs, small, large, m_small, m_large, bound)
     assert not misses, f"rewritten peaks miss the recorded ones by more than {bound} B: {misses}"
