@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="time the program's Python per module class on this GPU machine's host "
                                   "(host-bound jobs, real and fake) and add it to the kernel calibration "
                                   "--out (with --kernels: made first)")
+            cmd.add_argument("--recount", action="store_true",
+                             help="with --host-modules: keep --out's real figures and count the jobs' ops "
+                                  "again here under fake execution (no GPU needed)")
             continue
         if name == "faults":
             from prism_megatron.faults.cli import add_arguments

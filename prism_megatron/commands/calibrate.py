@@ -223,16 +223,17 @@ def parse_size(text: str) -> Optional[int]:
     return int(t) if t.isdigit() else None
 
 
-def _host_modules(path: str) -> int:
+def _host_modules(path: str, recount: bool = False) -> int:
     import torch
 
     from prism_megatron.kernels.host import calibrate_host_modules
 
-    if not torch.cuda.is_available():
+    if not recount and not torch.cuda.is_available():
         raise ConfigError("calibrate --host-modules times real jobs on a GPU and none is visible here; run "
-                          "it on the GPU machine")
+                          "it on the GPU machine (or add --recount to count ops again against the file's "
+                          "real figures)")
     try:
-        calibrate_host_modules(path)
+        calibrate_host_modules(path, recount=recount)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     except RuntimeError as err:  # a job failed: its log is named
@@ -245,6 +246,8 @@ def command(args) -> int:
     """`prism-megatron calibrate`: collectives (default), `--kernels`, `--host-modules`."""
     import torch
 
+    if args.recount and (not args.host_modules or args.kernels):
+        raise ConfigError("--recount goes with --host-modules alone (it re-counts an existing table)")
     if args.host_modules and not args.kernels:
         if args.ops or args.quick:
             raise ConfigError("--ops and --quick go with --kernels")
@@ -252,7 +255,7 @@ def command(args) -> int:
             raise ConfigError(f"--host-modules adds to a kernel calibration, and {args.out} does not exist; "
                               f"make it on this machine with `prism-megatron calibrate --kernels --out "
                               f"{args.out}` (or pass both flags)")
-        return _host_modules(args.out)
+        return _host_modules(args.out, args.recount)
     if args.kernels:
         from prism_megatron.kernels.calibrate import calibrate_kernels
 

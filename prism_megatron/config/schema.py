@@ -63,8 +63,8 @@ class EmulationConfig:
     can hold the rank's model state, fake otherwise (the run says which it took)."""
 
     target_gpu: str = "h200"
-    """GPU a fake run predicts: h200 (calibrated on the H200 machine, shipped), h100 or a100
-    (roofline from their documented peaks), or a file written by `prism-megatron calibrate --kernels`."""
+    """GPU a fake run predicts: h200 or h100 (calibrated on that GPU, shipped), a100 (roofline from
+    its documented peaks), or a file written by `prism-megatron calibrate --kernels`."""
 
     stop_after: int = 0
     """End the training script from the hooks once this many iterations have run (the N-th optimizer

@@ -100,13 +100,6 @@ def install_fake(inst: Any) -> None:
     _optimizers_as_on_the_gpu(inst)
     keep_ops = bool(os.environ.get("PRISM_FAKE_OPS"))
     clock = CostClock(model, keep_ops=keep_ops, allocator=allocator)
-    if model.host_reference_s:  # the target's host against this one, on the same host workload
-        from prism_megatron.kernels.calibrate import HostScale
-
-        clock.host_speed = HostScale(model.host_reference_s)
-        clock.host_scale = clock.host_speed.value
-    # the prism backend's own host time (answering ghosts) is not the program's host work
-    clock.excluded_s = lambda: inst.session.log.host_cpu_s if inst.session is not None else 0.0
     inst.fake = FakeExecution(clock=clock).activate()
     _module_host(inst, clock)
     inst._exits.append(lambda: _finish(inst))
@@ -136,8 +129,8 @@ def _module_host(inst: Any, clock: Any) -> None:
     if path:
         def write() -> None:
             rows = {key if key is not None else host.OUTSIDE:
-                    {"calls": stack.calls.get(key, 0), "kernels": k, "views": v, "gap_s": g}
-                    for key, (k, v, g) in (clock.by_module or {}).items()}
+                    {"calls": stack.calls.get(key, 0), "kernels": k, "views": v}
+                    for key, (k, v) in (clock.by_module or {}).items()}
             host.write_figures(path, rows, execution="fake", launch_s=clock.model.host_launch_s)
 
         inst._exits.append(write)
@@ -227,9 +220,7 @@ def _finish(inst: Any) -> None:
 def fake_summary(inst: Any) -> dict:
     clock, allocator = inst.fake.clock, inst.runtime.tracker.allocator
     return {"mode": "fake", "target_gpu": inst.cfg.emulation.target_gpu, "kernel_model": clock.model.source,
-            "host_scale": clock.host_scale,  # the latest ratio; the run's are in host_scale_samples
-            "host_scale_samples": clock.host_speed.summary() if clock.host_speed is not None else None,
-            "host_work_s": clock.host_work_s, "gc_cpu_s_excluded": inst.fake.gc_cpu_s,
+            "host_model": "launch per op + module table" if clock.model.host_modules else "launch per op",
             "peak_allocated_bytes": allocator.peak_allocated, "peak_reserved_bytes": allocator.peak_reserved,
             "device_s": clock.device_s,
             "ops_by_source": {k: {"ops": v[0], "device_s": v[1]} for k, v in clock.by_source.items()}}

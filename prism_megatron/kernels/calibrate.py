@@ -144,76 +144,8 @@ def sweep_families(torch, time_it, log: Callable[[str], None]) -> dict[str, list
     return curves
 
 
-REFERENCE_LOOPS = 20_000
-"""Iterations of the host reference workload whose seconds the calibration stores."""
-
-
-def host_reference_s(repeats: int = 3, loops: int = REFERENCE_LOOPS) -> float:
-    """Seconds of a fixed host workload (Python loops, dicts, small numpy sorts: what a routing model
-    and a dispatcher's bookkeeping do between kernels), the fastest of `repeats`. Its ratio between
-    the GPU machine's host and this one scales host work measured under fake execution. Measured in
-    this thread's CPU time, as that host work is: on a loaded machine the wall time also counts the
-    other processes' turns (on an idle GPU host the two agree). `loops` below `REFERENCE_LOOPS`
-    runs part of the workload, which is uniform, and returns the whole one's seconds by proportion."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    counts = rng.integers(0, 64, size=(64, 8))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.thread_time()
-        table: dict = {}
-        for i in range(loops):
-            row = counts[i % 64]
-            order = np.argsort(-row, kind="stable")[:2]
-            table[i % 512] = table.get(i % 512, 0) + int(order[0]) + len(str(i))
-        best = min(best, time.thread_time() - start)
-    return best * REFERENCE_LOOPS / loops
-
-
-class HostScale:
-    """The target host's seconds per second of host work here, followed through a run.
-
-    This CPU's speed is not steady. On the 2-core VM the reference workload takes 0.057 s or 0.100 s
-    of thread CPU time, in phases that last from one to tens of seconds (a neighbour on the sibling
-    hyperthread, or the host's clock), and the program's host work runs at its phase's speed. One
-    measurement at the start can therefore scale a whole run's host work by the wrong phase, off by
-    up to 1.75x. `scale()` re-measures an eighth of the workload (7-13 ms) at most once per
-    `period_s` of wall time and returns the latest ratio; the fake-execution clock asks for it as it
-    charges a long gap, inside an op's dispatch, so the measurement is in no gap itself."""
-
-    def __init__(self, target_reference_s: float, period_s: float = 1.0,
-                 loops: int = REFERENCE_LOOPS // 8) -> None:
-        if target_reference_s <= 0 or period_s <= 0 or loops <= 0:
-            raise ValueError("HostScale needs a positive target reference, period and loop count; "
-                             f"got {target_reference_s}, {period_s}, {loops}")
-        self.target_reference_s = target_reference_s
-        self.period_s = period_s
-        self.loops = loops
-        self.samples: list[float] = []
-        """Every ratio measured, in order."""
-        self.value = self._measure(repeats=2)
-        self._due = time.perf_counter() + period_s
-
-    def _measure(self, repeats: int = 1) -> float:
-        value = self.target_reference_s / host_reference_s(repeats, self.loops)
-        self.samples.append(value)
-        return value
-
-    def scale(self) -> float:
-        now = time.perf_counter()
-        if now >= self._due:
-            self.value = self._measure()
-            self._due = time.perf_counter() + self.period_s
-        return self.value
-
-    def summary(self) -> dict:
-        s = sorted(self.samples)
-        return {"samples": len(s), "min": s[0], "median": s[len(s) // 2], "max": s[-1]}
-
-
 def host_figures(torch) -> dict[str, float]:
-    """Host seconds per small eager op, the shortest kernel on the device, and the host reference."""
+    """Host seconds per small eager op and the shortest kernel on the device."""
     a = torch.ones(16, device="cuda")
     reps = 2000
     host = float("inf")
@@ -232,8 +164,7 @@ def host_figures(torch) -> dict[str, float]:
         torch.add(a, a)
     end.record()
     end.synchronize()
-    return {"host_launch_s": host, "min_kernel_s": start.elapsed_time(end) * 1e-3 / reps,
-            "host_reference_s": host_reference_s()}
+    return {"host_launch_s": host, "min_kernel_s": start.elapsed_time(end) * 1e-3 / reps}
 
 
 def _build(torch, spec: Any, device: str = "cuda") -> Any:

@@ -2,9 +2,9 @@
 execution.
 
 Fake execution models the host as the GPU host's launch time per op (`host_launch_s`, a quarter of
-it per view) plus the gaps longer than 0.5 ms it measures here. That misses the Python that module
-code runs between its ops: on the H200 machine's host, host-bound tiny jobs take 1.04 s (MoE) and
-0.36 s (dense) per iteration where that model gives 0.67 and 0.29 s, short mostly in the forward
+it per view); it measures nothing of the host here, so that a prediction does not depend on this
+CPU or its load. The launch figure alone misses the Python that module code runs between its ops: on the H200 machine's host, host-bound tiny jobs take 1.04 s (MoE) and
+0.36 s (dense) per iteration where launches alone give far less, short mostly in the forward
 pass, whose ops are issued from megatron's module code (the backward's come from the autograd
 engine in C++). This VM cannot measure that Python itself: here every metadata call of it goes
 through the CPU runtime's function mode and costs several times what it costs on the GPU host.
@@ -15,13 +15,15 @@ So it is measured where it runs, per module class, as the kernel table is measur
   timed, it also collects every call's *exclusive* wall time (its own code, not its children's).
 - `prism-megatron calibrate --host-modules --out CAL` (on the GPU machine) runs host-bound jobs
   (`HOST_JOBS`) twice: for real on the GPU, timed; and under fake execution, counting each class's
-  own ops and the host time the fake model already charges them. `module_table` turns the two
+  own ops (kernels and views). `module_table` turns the two
   into the modelled host time the model lacks: per op of the class (spread over its ops, as Python
   runs between them), or per call for a class that issues no op of its own.
 - Under fake execution (`hooks/fake.py`) the stack tells the `CostClock` which class's figure to add
   per op.
 
-The figures are the target host's seconds (no `host_scale`): they are not measured on this CPU.
+The figures are the target host's seconds: nothing of them is measured on the CPU that runs fake
+execution. `calibrate --host-modules --recount` keeps a table's real figures and counts the ops again
+on any machine, for when what fake execution counts or charges changes.
 """
 
 from __future__ import annotations
@@ -177,9 +179,9 @@ def module_table(real: dict, counted: dict, launch_s: float) -> dict:
     """The host seconds per op (or per call) each module class lacks in the fake model.
 
     `real`: key -> {"calls", "mean_s"} (exclusive wall seconds per call on the GPU host, over the
-    measured iterations). `counted`: key -> {"calls", "kernels", "views", "gap_s"} of the same job
-    under fake execution (its own ops and the long-gap host time the model charged it). The model
-    charges a call `(kernels * launch_s + views * launch_s / 4 + gap_s) / calls`; what the real call
+    measured iterations). `counted`: key -> {"calls", "kernels", "views"} of the same job under fake
+    execution (its own ops). The model charges a call `(kernels * launch_s + views * launch_s / 4) /
+    calls`; what the real call
     took beyond that is spread over the call's ops, or added per call where it has none. Never
     negative: the model is not made faster than it is. Classes seen in only one of the two runs are
     left out. `OUTSIDE` is a row like the others (a call: an iteration)."""
@@ -188,12 +190,12 @@ def module_table(real: dict, counted: dict, launch_s: float) -> dict:
         r, c = real[key], counted[key]
         if not c["calls"]:
             continue
-        modelled = (c["kernels"] * launch_s + c["views"] * launch_s / 4 + c["gap_s"]) / c["calls"]
+        modelled = (c["kernels"] * launch_s + c["views"] * launch_s / 4) / c["calls"]
         ops = (c["kernels"] + c["views"]) / c["calls"]
         missing = max(r["mean_s"] - modelled, 0.0)
         row = {"per_op_s": missing / ops if ops >= 1 else 0.0, "per_call_s": 0.0 if ops >= 1 else missing,
                "real_s_per_call": r["mean_s"], "modelled_s_per_call": modelled, "ops_per_call": ops,
-               "calls": c["calls"]}
+               "calls": c["calls"], "kernels": c["kernels"], "views": c["views"]}
         table[key] = row
     return table
 
@@ -228,11 +230,13 @@ def _run_job(args: list[str], env_path: Path, log_path: Path, device: str, windo
 
 def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[str]]] = None,
                            log: Callable[[str], None] = print, keep: Optional[str] = None,
-                           device: str = "cuda") -> dict:
+                           device: str = "cuda", recount: bool = False) -> dict:
     """Measure `jobs` (name -> config overrides; default `HOST_JOBS`) here, real on `device` and then
     fake on this CPU, and add the module table to the kernel calibration at `calibration_path` (made
     by `calibrate --kernels` on this machine: its launch figure is the model's). Returns the table.
-    `keep`: a folder for the jobs' files (default: a new temporary one)."""
+    `keep`: a folder for the jobs' files (default: a new temporary one). `recount`: no real run; the
+    real figures are the table's own (measured on its GPU machine), only the fake counts are made
+    again here (for when what fake execution counts or charges changes)."""
     from prism_megatron.config.job import example_for
     from prism_megatron.config import load_config
     from prism_megatron.config.loader import to_yaml
@@ -249,7 +253,11 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
     if not launch_s:
         raise ValueError(f"{calibration_path}: not a kernel calibration with host figures; make one here "
                          f"with `prism-megatron calibrate --kernels --out {calibration_path}` first")
-    if device == "cuda":  # the launch figure is this host's too: the table is the rest of its time
+    previous = calibration.get("host_modules") if recount else None
+    if recount and not (previous or {}).get("modules"):
+        raise ValueError(f"{calibration_path}: no module table to recount; make one on the GPU machine with "
+                         f"`prism-megatron calibrate --host-modules --out {calibration_path}`")
+    if device == "cuda" and not recount:  # the launch figure is this host's too: the table is the rest
         import torch
 
         from prism_megatron.kernels.calibrate import host_figures
@@ -282,32 +290,47 @@ def calibrate_host_modules(calibration_path: str, jobs: Optional[dict[str, list[
             raise ValueError(f"host calibration job {name}: train.iters={iters}; expected 2 or more (the "
                              "first iterations warm up and are not measured)")
         micro = cfg.train.global_batch_size // cfg.train.micro_batch_size  # one GPU: no data parallelism
-        log(f"host calibration {name}: real run ({device}), iterations {skip + 1}-{iters} measured")
-        summary = work / f"{name}-real-summary.json"
-        real = _run_job([script, "--prism-config", str(real_cfg), "--device", device, "--prism-summary-json",
-                         str(summary)], work / f"{name}-real.json", work / f"{name}-real.log", device,
-                        skip * micro)
-        try:
-            times_s = [t / 1e3 for t in json.loads(summary.read_text())["iteration_times_ms"][skip:]]
-        except (OSError, ValueError, KeyError):
-            raise RuntimeError(f"host calibration job {name} wrote no iteration times; see "
-                               f"{work / (name + '-real.log')}") from None
-        real["modules"][OUTSIDE] = {"calls": len(times_s), "mean_s": (sum(times_s) - real["root_s"]) / len(times_s)}
+        if previous is None:
+            real = _real_job(name, script, real_cfg, work, device, skip, micro, log)
+            runs[name] = real.pop("run")
+            _pool(real_all, real["modules"], ("calls",), "mean_s")
         log(f"host calibration {name}: fake run (cpu), iterations 2-{fake.train.iters} counted")
         counted = _run_job([script, "--prism-config", str(fake_cfg), "--prism-sandbox-ranks", "0",
                             "--device", "cpu"], work / f"{name}-fake.json", work / f"{name}-fake.log", "cpu",
                            micro)
         counted["modules"].get(OUTSIDE, {})["calls"] = fake.train.iters - 1
-        runs[name] = {"hook_s": real.get("hook_s"), "real_iterations_s": times_s,
-                      "real_forward_s_per_iteration": real["root_s"] / len(times_s)}
-        _pool(real_all, real["modules"], ("calls",), "mean_s")
-        _pool(counted_all, counted["modules"], ("calls", "kernels", "views", "gap_s"), None)
+        _pool(counted_all, counted["modules"], ("calls", "kernels", "views"), None)
+    if previous is not None:  # the real side as measured: calls and seconds per call of each class
+        runs = previous["jobs"]
+        real_all = {key: {"calls": row["calls"], "mean_s": row["real_s_per_call"]}
+                    for key, row in previous["modules"].items()}
     table = module_table(real_all, counted_all, launch_s)
-    calibration["host_modules"] = {"jobs": runs, "host": os.uname().nodename, "date": time.strftime("%Y-%m-%d"),
+    measured = previous or {"host": os.uname().nodename, "date": time.strftime("%Y-%m-%d")}
+    calibration["host_modules"] = {"jobs": runs, "host": measured["host"], "date": measured.get("date"),
                                    "modules": table}
     atomic_write_text(calibration_path, json.dumps(calibration))
     log(f"host calibration: {len(table)} module classes -> {calibration_path}")
     return table
+
+
+def _real_job(name: str, script: str, real_cfg: Path, work: Path, device: str, skip: int, micro: int,
+              log: Callable[[str], None]) -> dict:
+    """One host job run for real on `device`, timed per module class from iteration `skip + 1` on:
+    {"modules": key -> calls and seconds per call, "run": the iterations' figures}."""
+    log(f"host calibration {name}: real run ({device}), iterations {skip + 1} on measured")
+    summary = work / f"{name}-real-summary.json"
+    real = _run_job([script, "--prism-config", str(real_cfg), "--device", device, "--prism-summary-json",
+                     str(summary)], work / f"{name}-real.json", work / f"{name}-real.log", device,
+                    skip * micro)
+    try:
+        times_s = [t / 1e3 for t in json.loads(summary.read_text())["iteration_times_ms"][skip:]]
+    except (OSError, ValueError, KeyError):
+        raise RuntimeError(f"host calibration job {name} wrote no iteration times; see "
+                           f"{work / (name + '-real.log')}") from None
+    real["modules"][OUTSIDE] = {"calls": len(times_s), "mean_s": (sum(times_s) - real["root_s"]) / len(times_s)}
+    real["run"] = {"hook_s": real.get("hook_s"), "real_iterations_s": times_s,
+                   "real_forward_s_per_iteration": real["root_s"] / len(times_s)}
+    return real
 
 
 def _pool(into: dict, rows: dict, summed: tuple, weighted: Optional[str]) -> None:

@@ -12,8 +12,13 @@ Lookup order, and the `source` each prediction carries:
 4. `exact` / `attention-fit` for fused attention (torch's SDPA kernels, kernels/attention.py): the GPU
    kernel of the configured backend (`attention_backend`: flash or cudnn) measured at that shape, or its
    achieved FLOP/s interpolated over the calibrated shapes of its kind.
-5. `roofline`: no calibration (H100/A100, or an op and dtype nothing covers): max(FLOPs / peak,
+5. `roofline`: no calibration (A100, or an op and dtype nothing covers): max(FLOPs / peak,
    bytes / bandwidth) / the spec's achievable fraction, and never below the shortest kernel.
+
+Shipped calibrations (`data/<gpu>-*.json`): the H200's (its GEMM grid, families, the exact ops of the
+default and [D] jobs, the host's module table; no fused attention), and the H100's (a coarse GEMM grid,
+families, fused attention and the exact ops of the four `benchmarks/model_fidelity.py` shards, against
+whose real runs it predicts within 3.5 %; no module table, so its host is the launch figure alone).
 
 GPU specs are documented dense peak figures (NVIDIA data sheets, SXM parts): H200 and H100 989 TFLOP/s
 bf16/fp16, 67 fp32 (non-tensor), 4.8 and 3.35 TB/s HBM3(e); A100 80GB 312 TFLOP/s bf16/fp16,
@@ -191,8 +196,6 @@ class KernelCostModel:
     strided input that the kernel copies, for one)."""
     host_launch_s: float = 0.0
     min_kernel_s: float = 0.0
-    host_reference_s: float = 0.0
-    """Seconds of `calibrate.host_reference_s()` on the GPU machine's host (0: unknown)."""
     host_modules: dict = field(default_factory=dict)
     """module class key -> (host seconds per op, per call) that its Python adds on the GPU host beyond
     the launch figure (`kernels/host.py`, `calibrate --host-modules`); {}: not calibrated."""
@@ -279,7 +282,6 @@ class KernelCostModel:
                    if row["per_op_s"] or row["per_call_s"]}
         return cls(spec, exact=exact, grids=grids, families=families, calibration=str(path), host_modules=modules,
                    host_launch_s=host.get("host_launch_s", 0.0), min_kernel_s=host.get("min_kernel_s", 0.0),
-                   host_reference_s=host.get("host_reference_s", 0.0),
                    exact_scratch=exact_scratch, scratch_rule=scratch_rule,
                    attention=AttentionCosts(data.get("attention", [])))
 

@@ -24,12 +24,15 @@ after it ran (fake) and advances a modelled host and device stream: the host pay
 time, the device starts a kernel when both it and the launch are ready and runs it for the
 kernel-cost model's duration (`kernels/model.py`); `.item()` and `synchronize` join them. The
 program's Python between ops is added from the GPU host's module table where the model has one
-(`kernels/host.py`: per op of the module class whose forward issued it), and host work longer than
-`HOST_GAP_ALLOWANCE_S` is measured here (`CostClock.host_work`). A mark is
+(`kernels/host.py`: per op of the module class whose forward issued it). Nothing of the host time is
+measured on this CPU: a prediction depends on the config and the calibrations only, not on the CPU it
+runs on or its load (two runs of one config give the same figures). A mark is
 the device time at which an event recorded there would complete. Every op's signature can be kept
 (`ops`) to be measured on a real GPU (`prism-megatron calibrate --kernels --ops FILE`).
 
-Limits: only one process (all peers ghosts): real peers would need real bytes. Ops whose output shape
+Limits: host work of the program that the module table does not hold (a custom data loader, a
+Python loop between iterations of the user's own script) is not charged; calibrate the table on the GPU
+machine with that job (`calibrate --host-modules`) to include it. Only one process (all peers ghosts): real peers would need real bytes. Ops whose output shape
 depends on data (`nonzero`, boolean masks) take the sizes the provider gives or fail with a one-line
 error naming the op.
 """
@@ -37,10 +40,8 @@ error naming the op.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -56,8 +57,6 @@ from prism_megatron.runtime.holds import DelayAccount, HostHolds
 
 __all__ = ["CostClock", "FakeExecution", "ScalarModel", "is_fake"]
 
-HOST_GAP_ALLOWANCE_S = 5e-4
-"""Host time between two ops that is per-op overhead, not program work (see CostClock.host_work)."""
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
                        "scatter_object_list", "send_object_list", "recv_object_list")
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -139,8 +138,8 @@ def _all_real(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _collective(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A c10d op: the prism backend's, run as it is (no kernel of the job; its host time lies inside
-    the gap to the next op, which takes it off there: `CostClock.excluded_s`). FakeTensorMode would
+    """A c10d op: the prism backend's, run as it is (no kernel of the job: the cost of a collective
+    is the backend's and the replay's, not this clock's). FakeTensorMode would
     answer it from a meta kernel, without the backend: its device's kernel is called instead, which
     hands the (fake) tensors to the backend, whose own ops on them stay fake."""
     if _all_real(func, args, kwargs):
@@ -161,41 +160,11 @@ class _FakeMode(TorchDispatchMode):
         super().__init__()
         self.model = model
         self.clock = clock
-        self._left = None  # perf_counter when the last op's dispatch returned
-        self._left_cpu = 0.0  # this thread's CPU time then
-        self._left_excluded = 0.0  # the excluded CPU seconds then (the clock's, and the collector's)
-        self.gc_cpu_s = 0.0
-        """CPU seconds of Python's cyclic garbage collector while active (`on_gc`): its time goes with
-        this process's heap (fake tensors, their caches, the recorder), not the program's."""
-        self._gc_started_s = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             return _collective(func, args, kwargs or {})
-        entered = time.perf_counter()
-        clock = self.clock
-        excluded = self.gc_cpu_s
-        if clock is not None and clock.excluded_s is not None:
-            excluded += clock.excluded_s()
-        # A gap's CPU time is the program's host work; its wall time also holds whatever else had
-        # this CPU meanwhile (another process, the hypervisor): on a loaded 2-core VM that made an
-        # MoE iteration 71 % longer. A gap is never longer in CPU time than in wall time, so short
-        # wall gaps need no CPU clock read.
-        if clock is not None and self._left is not None and entered - self._left > HOST_GAP_ALLOWANCE_S:
-            clock.host_work(time.thread_time() - self._left_cpu - (excluded - self._left_excluded))
-        try:
-            return self._dispatch(func, args, kwargs or {})
-        finally:
-            self._left = time.perf_counter()
-            self._left_cpu = time.thread_time()
-            self._left_excluded = excluded
-
-    def on_gc(self, phase: str, info: dict) -> None:
-        """A `gc.callbacks` entry: adds each collection's CPU time to `gc_cpu_s`."""
-        if phase == "start":
-            self._gc_started_s = time.thread_time()
-        else:
-            self.gc_cpu_s += time.thread_time() - self._gc_started_s
+        return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
         clock = self.clock
@@ -252,16 +221,6 @@ class CostClock(HostHolds):
         self.scratch_ops = 0
         self._known: dict = {}
         self.host_s = 0.0
-        self.host_scale = 1.0
-        """Host seconds of the target machine per host second measured here (1: as fast)."""
-        self.host_work_s = 0.0
-        """Target host seconds charged for the program's long gaps so far (`host_work`)."""
-        self.host_speed: Optional[Any] = None
-        """When set, an object whose `scale()` gives `host_scale` now (kernels.calibrate.HostScale:
-        this CPU's speed changes in phases during a run); asked each time a long gap is charged."""
-        self.excluded_s: Optional[Callable[[], float]] = None
-        """Cumulative host CPU seconds that are this tool's, not the program's (the prism backend
-        answering ghosts): subtracted from the gaps between ops."""
         self.device_s = 0.0
         self.ops: Optional[dict] = {} if keep_ops else None
         self.by_source: dict[str, list] = {}  # source -> [ops, device seconds]
@@ -270,7 +229,7 @@ class CostClock(HostHolds):
         self.module_host_s = 0.0
         """Host seconds the current module's Python adds to each of its ops (the module table)."""
         self.by_module: Optional[dict[str, list]] = None
-        """When a dict: module key -> [kernel ops, views, long-gap host seconds] (for the calibration)."""
+        """When a dict: module key -> [kernel ops, views] (counted for the calibration)."""
 
     def enter_module(self, key: Optional[str], per_op_s: float = 0.0, per_call_s: float = 0.0) -> None:
         """The innermost running module is now `key` (None: none): its ops carry `per_op_s` of host
@@ -281,22 +240,6 @@ class CostClock(HostHolds):
 
     def mark(self) -> float:
         return max(self.host_s, self.device_s)
-
-    def host_work(self, gap_s: float) -> None:
-        """The program's own host work between two ops, measured on this CPU outside the dispatch (so
-        not fake execution's overhead) as the thread's CPU time: the part of a gap beyond
-        `HOST_GAP_ALLOWANCE_S`, scaled by `host_scale`. Shorter gaps are per-op Python overhead, which the launch figure already covers
-        (measured here, that overhead includes the CPU runtime's own function mode); longer ones are
-        work a GPU host does too while the device may idle (an MoE routing model's numpy, a
-        dispatcher's bookkeeping between its device-to-host syncs)."""
-        if gap_s > HOST_GAP_ALLOWANCE_S:
-            if self.host_speed is not None:
-                self.host_scale = self.host_speed.scale()
-            charged = (gap_s - HOST_GAP_ALLOWANCE_S) * self.host_scale
-            self.host_s += charged
-            self.host_work_s += charged
-            if self.by_module is not None:
-                self.by_module.setdefault(self.module, [0, 0, 0.0])[2] += charged
 
     def sync(self, *args: Any, **kwargs: Any) -> None:
         self.host_s = max(self.host_s, self.device_s)
@@ -332,7 +275,7 @@ class CostClock(HostHolds):
         if kind == "comm":
             return
         if self.by_module is not None:
-            self.by_module.setdefault(self.module, [0, 0, 0.0])[kind == "free"] += 1
+            self.by_module.setdefault(self.module, [0, 0])[kind == "free"] += 1
         if kind == "free":
             self.host_s += 0.25 * self.model.host_launch_s + self.module_host_s
             return
@@ -432,17 +375,9 @@ class FakeExecution:
     _fake_mode: Optional[_FakeMode] = field(default=None, repr=False)
     _patches: PatchSet = field(default_factory=PatchSet, repr=False)
 
-    _gc_cpu_s: float = field(default=0.0, repr=False)
-
     @property
     def active(self) -> bool:
         return self.mode is not None
-
-    @property
-    def gc_cpu_s(self) -> float:
-        """CPU seconds of Python's garbage collector under this fake execution (left out of the
-        modelled host work)."""
-        return self._fake_mode.gc_cpu_s if self._fake_mode is not None else self._gc_cpu_s
 
     def activate(self) -> "FakeExecution":
         if self.active:
@@ -465,15 +400,11 @@ class FakeExecution:
                 self._patches.patch(owner, "synchronize", lambda *a, **k: self.clock.sync())
         self._fake_mode = _FakeMode(self.scalars, self.clock)
         self._fake_mode.__enter__()
-        gc.callbacks.append(self._fake_mode.on_gc)
         return self
 
     def deactivate(self) -> None:
         if not self.active:
             return
-        if self._fake_mode.on_gc in gc.callbacks:
-            gc.callbacks.remove(self._fake_mode.on_gc)
-        self._gc_cpu_s = self._fake_mode.gc_cpu_s
         self._fake_mode.__exit__(None, None, None)
         self.mode.__exit__(None, None, None)
         self.mode = self._fake_mode = None
