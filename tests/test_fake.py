@@ -79,19 +79,28 @@ def test_fake_and_real_capture_give_the_same_graph(captures, rank):
 
 
 @pytest.mark.slow
-def test_a_fake_class_takes_the_shorter_of_its_two_probes_node_by_node(captures):
-    """The two probes of a verified class ran one program against one cost model under fake
-    execution: each node lasts the shorter of their two measures (host work measured on a busy CPU
-    is only ever inflated), for both probes, so the class predicts one time."""
+def test_the_two_probes_of_a_fake_class_time_every_node_alike(captures):
+    """The two probes of a verified class ran one program against one cost and host model under fake
+    execution, two processes on a CPU shared with each other: nothing measured here enters a
+    duration, so every node lasts the same in both, as each slice wrote it. One node is not the same
+    program: megatron's gradient norm on tensor-parallel rank 0 also sums the parameters every TP rank
+    holds (layer norms), which the other ranks leave out."""
     fake = captures["fake"]
     for pp in range(fake.world.pp):
-        a, b = (g for r, g in fake.roles.items() if r.pp == pp)  # TP2: the class's two probes
-        assert a.source == b.source == "captured"
+        (tp0, a), (tp1, b) = sorted(((r.tp, g) for r, g in fake.roles.items() if r.pp == pp),
+                                    key=lambda x: x[0])  # TP2: the class's two probes
+        assert (tp0, tp1) == (0, 1) and a.source == b.source == "captured"
         own = [load_graph(str(captures["fake_slices"] / f"rank{g.representative}.prism"), check=False)
                for g in (a, b)]
-        least = np.minimum(*(next(iter(o.roles.values())).columns["duration_s"] for o in own))
-        np.testing.assert_array_equal(a.columns["duration_s"], least)
-        np.testing.assert_array_equal(b.columns["duration_s"], least)
+        first, second = (next(iter(o.roles.values())).columns["duration_s"] for o in own)
+        names = [own[0].strings[int(i)] for i in next(iter(own[0].roles.values())).columns["name"]]
+        same = np.asarray([n != "optimizer.grad_norm" for n in names])
+        assert len(first) > 50 and first.sum() > 0 and 1 <= (~same).sum() <= 4
+        np.testing.assert_allclose(first[same], second[same], rtol=1e-9, atol=0)  # start times' rounding
+        # TP rank 0's norm covers more tensors
+        assert (first[~same] >= second[~same]).all() and (first[~same] > second[~same]).any()
+        np.testing.assert_array_equal(a.columns["duration_s"], first)  # each probe keeps its own
+        np.testing.assert_array_equal(b.columns["duration_s"], second)
 
 
 def _copy_slices_free(ops: list) -> list:

@@ -11,12 +11,8 @@ rest of its roles. The merged graph is checked (DAG, every role present, collect
 roles) before it is written atomically to `<out>/graph.prism`.
 
 Under fake execution the two probes of a verified class ran the same program against the same
-kernel-cost model: their durations differ only by what this CPU did to the host work measured between
-ops (its CPU time, which a busy or throttled machine inflates and nothing deflates). Each node then
-lasts the shorter of the two probes' measures, for both probes and every role inferred from them
-(start times, spans and the memory timeline stay each probe's own). One such burst in a GPT-175B
-capture on the 2-core VM charged 70 ms to a single attention backward of one probe, and the stage it
-stood for came out 112 ms (12 %) slower than its identical neighbours.
+kernel-cost and host model, nothing of it measured on this CPU (runtime/fake.py): their durations are
+equal node by node, however busy the machine was.
 """
 
 from __future__ import annotations
@@ -314,13 +310,6 @@ class Capture:
                 mapping = np.asarray([table(x) for x in s.strings], dtype="i4")
                 remapped[role] = s.graph.remap_strings(mapping)
         device, execution = _ran_on([s for s in slices.values() if s.graph is not None])
-        if execution == "fake":
-            for c in classes:
-                if verdicts[c.key] and len(c.probes) == 2 and all(p in remapped for p in c.probes):
-                    a, b = (remapped[p] for p in c.probes)
-                    least = np.minimum(a.columns["duration_s"], b.columns["duration_s"])
-                    for p in c.probes:
-                        remapped[p] = remapped[p].with_durations(least)
         roles: dict[Role, RoleGraph] = {}
         inferred: list[str] = []
         for c in classes:
