@@ -24,7 +24,9 @@ def run(args) -> int:
     if not example.is_file():
         raise ConfigError(f"{example} not found: the package was installed without its example "
                           "scripts; reinstall it (`pip install .` ships them)")
-    load_config(args.overrides, _config_file(args.config))  # fail fast, before importing megatron
+    from prism_megatron.hooks.fake import check_execution
+
+    check_execution(load_config(args.overrides, _config_file(args.config)))  # fail fast, before megatron
     spec = importlib.util.spec_from_file_location("pretrain_gpt", example)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
