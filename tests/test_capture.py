@@ -328,14 +328,15 @@ def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatc
     (["export", "{tmp}/junk.prism", "--perfetto", "{tmp}/t.json"], "truncated or corrupted"),
     (["export", "{tmp}/junk.prism"], "nothing to export"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys, monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
     (tmp_path / "junk.prism").write_bytes(b"garbage")
-    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli",
-                           *[a.format(tmp=tmp_path) for a in args]],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 2, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    monkeypatch.chdir(REPO)
+    code, err = run_in_process([a.format(tmp=tmp_path) for a in args], capsys)
+    assert code == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], err
     assert not (tmp_path / "o" / "graph.prism").exists() and not (tmp_path / "t.json").exists()
 
 
