@@ -235,14 +235,16 @@ def _span(cols) -> float:
     (["--sandbox", "middle-stage"], "expected a virtual rank or one of"),
     (["--sandbox", "99"], "outside the virtual world of 8"),
 ])
-def test_emulate_bad_sandbox_is_one_line_and_exit_2(real_and_captured, tmp_path, args, message):
+def test_emulate_bad_sandbox_is_one_line_and_exit_2(real_and_captured, tmp_path, args, message, capsys,
+                                                    monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
     name, _, summary, _ = real_and_captured
     if name != "tp2pp2dp2":
         pytest.skip("one config is enough")
-    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "emulate", summary["graph_path"],
-                           "--out", str(tmp_path / "emu"), *args], capture_output=True, text=True, env=ENV,
-                          timeout=300, cwd=REPO)
-    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    monkeypatch.chdir(REPO)
+    code, err = run_in_process(["emulate", summary["graph_path"], "--out", str(tmp_path / "emu"), *args], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_graph_columns_are_well_formed(real_and_captured):
@@ -252,13 +254,13 @@ def test_graph_columns_are_well_formed(real_and_captured):
         assert np.all(g.columns["duration_s"] >= 0) and np.all(np.diff(g.columns["start_s"]) >= -1e-9)
 
 
-def test_exports_of_the_captured_graph(real_and_captured, tmp_path):
+def test_exports_of_the_captured_graph(real_and_captured, tmp_path, capsys):
+    from test_bad_inputs import run_in_process  # the command's entry point, in this process
+
     name, _, summary, graph = real_and_captured
-    proc = subprocess.run(
-        [sys.executable, "-m", "prism_megatron.cli", "export", summary["graph_path"], "--ranks", "0,7",
-         "--perfetto", str(tmp_path / "t.json"), "--chakra", str(tmp_path / "et")],
-        capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, err = run_in_process(["export", summary["graph_path"], "--ranks", "0,7", "--perfetto",
+                                str(tmp_path / "t.json"), "--chakra", str(tmp_path / "et")], capsys)
+    assert code == 0, err[-2000:]
     doc = json.loads((tmp_path / "t.json").read_text())
     tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert {"compute", "comm.tp", "comm.pp", "comm.dp", "pipeline"} <= tracks
@@ -328,14 +330,15 @@ def test_a_failed_slice_is_retried_once_and_a_rerun_resumes(tmp_path, monkeypatc
     (["export", "{tmp}/junk.prism", "--perfetto", "{tmp}/t.json"], "truncated or corrupted"),
     (["export", "{tmp}/junk.prism"], "nothing to export"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys, monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
     (tmp_path / "junk.prism").write_bytes(b"garbage")
-    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli",
-                           *[a.format(tmp=tmp_path) for a in args]],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 2, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    monkeypatch.chdir(REPO)
+    code, err = run_in_process([a.format(tmp=tmp_path) for a in args], capsys)
+    assert code == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], err
     assert not (tmp_path / "o" / "graph.prism").exists() and not (tmp_path / "t.json").exists()
 
 

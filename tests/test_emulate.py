@@ -54,10 +54,13 @@ def test_run_captures_once_then_emulates_the_sandbox(tmp_path):
     (["emulation.clock=fast"], "expected one of virtual, realtime"),
     (["cluster=nope"], "not found"),
 ])
-def test_run_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    proc = _run(*JOB, "--out", str(tmp_path / "r"), *args, timeout=300)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_run_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys, monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
+    monkeypatch.chdir(REPO)
+    code, err = run_in_process(["run", *JOB, "--out", str(tmp_path / "r"), *args], capsys)
+    assert code == 2 and message in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_validate_is_the_fidelity_harness():

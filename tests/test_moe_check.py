@@ -88,10 +88,14 @@ def test_skew_predicts_every_rank_and_a_small_capacity_is_an_oom_with_exit_3(tmp
     (["moe.imbalance=zipf(1.2)", "--capacity", "lots"], "expected a size"),
     (["moe.imbalance=pareto(2)"], "expected one of none, uniform"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    proc, _ = _check(tmp_path, *args)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys, monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
+    monkeypatch.chdir(REPO)
+    code, err = run_in_process(["moe-check", *JOB, *args, "--out", str(tmp_path / "runs"), "--json",
+                                str(tmp_path / "verdict.json")], capsys)  # _check's command
+    assert code == 2 and message in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_replayed_routing_reads_each_source_ranks_own_log(tmp_path):

@@ -130,10 +130,13 @@ def test_a_screenshot_shows_the_charts(reported):
         assert bytes(rgb) in seen, name
 
 
-def test_a_directory_without_a_run_is_one_line_and_exit_2(tmp_path):
-    proc = _cli("report", str(tmp_path))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "no run.json or emulation.json" in proc.stderr
+def test_a_directory_without_a_run_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
+    monkeypatch.chdir(REPO)
+    code, err = run_in_process(["report", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "no run.json or emulation.json" in err
 
 
 def test_the_sandbox_table_says_how_host_bound_each_sandbox_and_the_capture_were(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bad_inputs import run_in_process  # cli.main in this process, a hang alarm armed
 
 from prism_megatron.graph import load_graph, save_graph
 from prism_megatron.graph.model import ExecutionGraph, StringTable, structure_hash
@@ -165,18 +166,16 @@ def test_counts_the_schedule_cannot_take_are_refused(recordings):
         with_microbatches(interleaved, 8)
 
 
-def test_simulate_command_takes_the_microbatch_override(recordings, tmp_path):
+def test_simulate_command_takes_the_microbatch_override(recordings, tmp_path, capsys):
     _, (small, _), graphs = recordings
     job = _job_graph(graphs[small])
     m = microbatches_of(job)
     save_graph(job, str(tmp_path / "g.prism"))
     summaries = []
-    for extra in ([], [f"microbatches={m + 4}"]):
-        proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "simulate",
-                               str(tmp_path / "g.prism"), "cluster=cpu_host", *extra, "--json",
-                               str(tmp_path / "s.json")],
-                              capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    for extra in ([], [f"microbatches={m + 4}"]):  # the command's entry point, in this process
+        code, err = run_in_process(["simulate", str(tmp_path / "g.prism"), "cluster=cpu_host", *extra,
+                                    "--json", str(tmp_path / "s.json")], capsys)
+        assert code == 0, err[-2000:]
         summaries.append(json.loads((tmp_path / "s.json").read_text()))
     base, more = summaries
     assert base["microbatches"] is None and more["microbatches"] == {"captured": m, "simulated": m + 4}

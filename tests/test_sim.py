@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bad_inputs import run_in_process  # cli.main in this process, a hang alarm armed
 
 from prism_megatron.comm.cost import Calibration, CostModel, Placement, bus_bandwidth, bus_factor
 from prism_megatron.graph import save_graph
@@ -152,16 +153,16 @@ def test_unmatched_communication_is_a_deadlock_with_a_clear_error():
         Simulator(graph, H100.cost_model()).run()
 
 
-def test_simulate_command_output_contract(tmp_path):
+def test_simulate_command_output_contract(tmp_path, capsys):
+    """`prism-megatron simulate` as its entry point runs it (cli.main, in this process: the command's
+    code whole; tests/test_bad_inputs.py runs the entry point in real processes)."""
     world = VirtualWorld(world_size=256, tp=4, pp=4)
     path = tmp_path / "g.prism"
     save_graph(synthetic_graph(world, microbatches=4), str(path))
-    proc = subprocess.run(
-        [sys.executable, "-m", "prism_megatron.cli", "simulate", str(path), "cluster=dgx_a100",
-         "slowdown.17=1.3", "--json", str(tmp_path / "s.json"), "--csv", str(tmp_path / "r.csv"),
-         "--perfetto", str(tmp_path / "t.json"), "--ranks", "0,17"],
-        capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, err = run_in_process(
+        ["simulate", str(path), "cluster=dgx_a100", "slowdown.17=1.3", "--json", str(tmp_path / "s.json"),
+         "--csv", str(tmp_path / "r.csv"), "--perfetto", str(tmp_path / "t.json"), "--ranks", "0,17"], capsys)
+    assert code == 0, err[-2000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     for key in ("iteration_time_s", "tokens_per_s_per_gpu", "mfu", "ranks", "classes", "sim_wall_s",
                 "per_class"):
@@ -186,14 +187,13 @@ def test_simulate_command_output_contract(tmp_path):
     (["microbatches=0"], "positive number of microbatches"),
     (["microbatches=8"], "no pipeline spans"),
 ])
-def test_simulate_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+def test_simulate_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys):
     path = tmp_path / "g.prism"
     save_graph(synthetic_graph(VirtualWorld(world_size=16, tp=2, pp=4)), str(path))
-    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "simulate", str(path), *args],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 2
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+    code, err = run_in_process(["simulate", str(path), *args], capsys)  # real processes: test_bad_inputs
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], err
 
 
 @pytest.mark.slow
@@ -219,11 +219,10 @@ def test_calibrate_on_cpu_measures_every_op_and_group_size(tmp_path):
     (["--min-bytes", "8KiB", "--max-bytes", "1KiB"], "smallest first"),
     (["--nproc", "1"], "2 or more processes"),
 ])
-def test_calibrate_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    proc = subprocess.run([sys.executable, "-m", "prism_megatron.cli", "calibrate", "--device", "cpu",
-                           "--out", str(tmp_path / "c.json"), *args],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 2
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+def test_calibrate_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys):
+    code, err = run_in_process(["calibrate", "--device", "cpu", "--out", str(tmp_path / "c.json"), *args],
+                               capsys)
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0], err
     assert not (tmp_path / "c.json").exists()

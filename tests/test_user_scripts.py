@@ -219,10 +219,13 @@ def test_a_users_deepspeed_script_runs_through_capture_and_emulation(tmp_path):
     (["world", "--", "x.py"], "world takes no training script"),
     (["capture", "--out", "o", "--"], "nothing after --"),
 ])
-def test_a_bad_script_argument_is_one_line_and_exit_2(tmp_path, args, message):
-    proc = _cli(*args, cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+def test_a_bad_script_argument_is_one_line_and_exit_2(tmp_path, args, message, capsys, monkeypatch):
+    from test_bad_inputs import run_in_process  # cli.main in this process; real processes: test_bad_inputs
+
+    monkeypatch.chdir(tmp_path)
+    code, err = run_in_process(list(args), capsys)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow

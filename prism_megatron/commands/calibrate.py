@@ -242,6 +242,29 @@ def _host_modules(path: str, recount: bool = False) -> int:
     return 0
 
 
+def add_arguments(cmd) -> None:
+    cmd.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="cuda: one process per GPU with NCCL; cpu: gloo processes")
+    cmd.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 2)")
+    cmd.add_argument("--min-bytes", default="1KiB", help="smallest size (default 1KiB)")
+    cmd.add_argument("--max-bytes", default=None, help="largest size (default 1GiB; 64MiB on CPU)")
+    cmd.add_argument("--out", required=True, help="calibration JSON to write")
+    cmd.add_argument("--kernels", action="store_true",
+                     help="instead of collectives: time this GPU's kernels (GEMM grid, memory-bound "
+                          "families, host launch) for fake execution's kernel-cost model")
+    cmd.add_argument("--ops", default=None,
+                     help="with --kernels: also replay every op of this list as is (written by a "
+                          "fake run with PRISM_FAKE_OPS=FILE)")
+    cmd.add_argument("--quick", action="store_true", help="with --kernels: a coarse GEMM grid")
+    cmd.add_argument("--host-modules", action="store_true",
+                     help="time the program's Python per module class on this GPU machine's host "
+                          "(host-bound jobs, real and fake) and add it to the kernel calibration "
+                          "--out (with --kernels: made first)")
+    cmd.add_argument("--recount", action="store_true",
+                     help="with --host-modules: keep --out's real figures and count the jobs' ops again "
+                          "here under fake execution (no GPU needed)")
+
+
 def command(args) -> int:
     """`prism-megatron calibrate`: collectives (default), `--kernels`, `--host-modules`."""
     import torch
@@ -292,3 +315,6 @@ def command(args) -> int:
                              f"{seg['busbw_Bps'] / 1e9:.2f} GB/s" for seg in fit["segments"])
         print(f"  {key:>24}: {segments}; worst model error >= 1 MiB {worst * 100:5.1f}%")
     return 0
+
+
+run = command

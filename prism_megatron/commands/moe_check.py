@@ -152,6 +152,18 @@ def report(world: VirtualWorld, loads: np.ndarray, peaks: np.ndarray, fits: dict
     }
 
 
+def add_arguments(cmd) -> None:
+    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                     help="config overrides, e.g. model=tiny_moe moe.imbalance=zipf(1.2); "
+                          "cluster=NAME")
+    cmd.add_argument("--config", default=None,
+                     help="YAML config file (default: configs/default.yaml)")
+    cmd.add_argument("--out", required=True, help="directory for the calibration sandboxes")
+    cmd.add_argument("--capacity", default=None,
+                     help="device memory per GPU, e.g. 80GiB (default: the cluster's GPU memory)")
+    cmd.add_argument("--json", default=None, help="write the verdict JSON here too")
+
+
 def moe_check_command(args) -> int:
     """The CLI: loads, calibration sandboxes, prediction, verdict (exit 3 when a rank runs out)."""
     import json
@@ -255,3 +267,6 @@ def _pictures(out, cfg: PrismConfig, world: VirtualWorld, peaks: np.ndarray) -> 
     rows = peaks.reshape(-1, p.ep) if len(peaks) % p.ep == 0 else peaks[None, :]
     heatmap_png(paths["peak_memory"], rows, cell=6)
     return paths, grid.tolist()
+
+
+run = moe_check_command

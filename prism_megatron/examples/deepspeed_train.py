@@ -170,8 +170,8 @@ def pipeline_model(cfg, stages: int):
     return PipelineModule(layers=layers, num_stages=stages, loss_fn=lm_loss, partition_method="uniform")
 
 
-def ds_config(args, cfg, dp: int) -> dict:
-    """The DeepSpeed config: the file, with the batch from the flags and `--zero-stage` applied."""
+def read_ds_config(args, cfg) -> dict:
+    """The DeepSpeed config file as it stands, read before any work (a bad one is refused at once)."""
     path = args.deepspeed_config or cfg.train.deepspeed_config or DEFAULT_DS_CONFIG
     if not os.path.isabs(path) and not os.path.exists(path):
         path = str(package_path(path))  # a shipped one, as `configs/deepspeed/zero3.json` names it
@@ -181,6 +181,15 @@ def ds_config(args, cfg, dp: int) -> dict:
     except (OSError, ValueError) as err:
         raise ConfigError(f"--deepspeed-config {path}: {err}; give a DeepSpeed config JSON "
                           f"such as {DEFAULT_DS_CONFIG}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed-config {path}: expected a JSON object, got {type(data).__name__}; "
+                          f"give a DeepSpeed config JSON such as {DEFAULT_DS_CONFIG}")
+    return data
+
+
+def ds_config(args, cfg, dp: int, data: dict) -> dict:
+    """The DeepSpeed config: the file's `data`, with the batch from the flags and `--zero-stage` applied."""
+    data = dict(data)
     t = cfg.train
     data["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     data.pop("train_batch_size", None)
@@ -200,7 +209,7 @@ def batches(cfg, iteration: int, dp_rank: int, count: int, device: str):
         yield tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
-def train(args, cfg, inst, summary_path) -> None:
+def train(args, cfg, inst, summary_path, ds_file: dict) -> None:
     import deepspeed
 
     from prism_megatron.hooks.deepspeed import model_state_bytes
@@ -219,7 +228,7 @@ def train(args, cfg, inst, summary_path) -> None:
         model = TinyGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.seq_length,
                         moe_of(cfg))
     dp = dist.get_world_size() // stages  # ZeRO's data parallelism: the world, over the stages
-    config = ds_config(args, cfg, dp)
+    config = ds_config(args, cfg, dp, ds_file)
     params = [p for p in model.parameters() if p.requires_grad]
     if m.num_experts:  # ZeRO keeps expert parameters in their own groups (expert data parallelism)
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -274,8 +283,9 @@ def main(argv=None) -> int:
         cfg = config_from_args(args, getattr(args, "prism_config", None))
         if cfg.emulation.virtual_world_size is None:
             cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        ds_file = read_ds_config(args, cfg)  # before any work: a bad file is one line at once
         inst = prism_megatron.install(cfg)
-        train(args, cfg, inst, getattr(args, "prism_summary_json", None))
+        train(args, cfg, inst, getattr(args, "prism_summary_json", None), ds_file)
     except ConfigError as err:
         print(f"deepspeed_train.py: error: {err}", file=sys.stderr)
         return 2

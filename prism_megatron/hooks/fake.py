@@ -20,7 +20,7 @@ import torch
 from prism_megatron.config import ConfigError
 from prism_megatron.config.schema import PrismConfig
 
-__all__ = ["CPU_REAL_FLOPS", "fake_summary", "install_fake", "rank_parameters", "resolve_execution"]
+__all__ = ["CPU_REAL_FLOPS", "check_execution", "fake_summary", "install_fake", "rank_parameters", "resolve_execution"]
 
 CPU_REAL_FLOPS = 2e13
 """Most work per iteration (FLOPs) that `execution=auto` runs for real on a CPU."""
@@ -49,14 +49,29 @@ def _device_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def check_execution(cfg: PrismConfig) -> None:
+    """What `emulation.execution=fake` refuses from the config alone, checked before any work (`train`
+    calls it before it imports megatron): another framework, an unknown target GPU. The device's
+    checks follow in `resolve_execution`, the calibration file's content in `install_fake`."""
+    from prism_megatron.kernels.model import check_target_gpu
+
+    if cfg.emulation.execution != "fake":
+        return
+    if cfg.train.framework != "megatron":
+        raise ConfigError(f"emulation.execution=fake runs megatron-core only, not train.framework="
+                          f"{cfg.train.framework}; use emulation.execution=real for it")
+    try:
+        check_target_gpu(cfg.emulation.target_gpu)
+    except ValueError as err:
+        raise ConfigError(f"emulation.target_gpu: {err}") from None
+
+
 def resolve_execution(cfg: PrismConfig, device: str) -> str:
     execution = cfg.emulation.execution
     if execution == "fake" and device != "cpu":
         raise ConfigError("emulation.execution=fake runs on the CPU runtime; set train.device=cpu (the GPU "
                           "it predicts is emulation.target_gpu)")
-    if execution == "fake" and cfg.train.framework != "megatron":
-        raise ConfigError(f"emulation.execution=fake runs megatron-core only, not train.framework="
-                          f"{cfg.train.framework}; use emulation.execution=real for it")
+    check_execution(cfg)
     if execution != "auto":
         return execution
     if cfg.train.framework != "megatron":

@@ -178,6 +178,16 @@ class _Grid:
         return total
 
 
+def check_target_gpu(target: str) -> None:
+    """ValueError unless `target` names a GPU that `KernelCostModel.for_gpu` knows (`h200`, `h100`,
+    `a100`) or a calibration JSON file that exists; cheap: nothing is loaded."""
+    path = Path(target)
+    if target.lower() in GPU_SPECS or (path.suffix == ".json" and path.is_file()):
+        return
+    raise ValueError(f"unknown target GPU {target!r}; expected one of {', '.join(GPU_SPECS)} or a "
+                     f"file written by `prism-megatron calibrate --kernels`")
+
+
 @dataclass
 class KernelCostModel:
     """Predicts device seconds per op for one GPU type (see module docstring)."""
@@ -223,18 +233,16 @@ class KernelCostModel:
     @classmethod
     def for_gpu(cls, target: str) -> "KernelCostModel":
         """`h200` / `h100` / `a100` (the shipped calibration where one exists), or a calibration file."""
-        path = Path(target)
+        check_target_gpu(target)
         if target.lower() in GPU_SPECS:
             spec = GPU_SPECS[target.lower()]
             shipped = shipped_calibration(spec.name)
             return cls.from_file(shipped, spec) if shipped else cls(spec)
-        if path.suffix == ".json" and path.is_file():
-            with open(path) as f:
-                gpu = json.load(f).get("gpu", "")
-            name = next((n for n in GPU_SPECS if n in gpu.lower()), "h200")
-            return cls.from_file(path, GPU_SPECS[name])
-        raise ValueError(f"unknown target GPU {target!r}; expected one of {', '.join(GPU_SPECS)} or a "
-                         f"file written by `prism-megatron calibrate --kernels`")
+        path = Path(target)
+        with open(path) as f:
+            gpu = json.load(f).get("gpu", "")
+        name = next((n for n in GPU_SPECS if n in gpu.lower()), "h200")
+        return cls.from_file(path, GPU_SPECS[name])
 
     @classmethod
     def from_file(cls, path: Path, spec: GpuSpec) -> "KernelCostModel":
