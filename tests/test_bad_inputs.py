@@ -519,7 +519,7 @@ def _quiet_imports():
         import prism_megatron.emulate.run  # noqa: F401
         import prism_megatron.faults.impact  # noqa: F401
         import prism_megatron.sim.des  # noqa: F401
-        import prism_megatron.sweep.run  # noqa: F401
+        import prism_megatron.sweep.app  # noqa: F401
 
 
 @pytest.fixture
@@ -534,7 +534,7 @@ def tripwires(monkeypatch):
     import prism_megatron.capture.run as capture
     import prism_megatron.commands.calibrate as calibrate
     import prism_megatron.emulate.run as emulate
-    import prism_megatron.sweep.run as sweep
+    import prism_megatron.sweep.app as sweep
 
     monkeypatch.setattr(capture.Capture, "run", trip("a capture"))
     def emulation_run(self):  # its first step, `check` (the graph, sandboxes, faults), writes nothing
@@ -543,7 +543,7 @@ def tripwires(monkeypatch):
 
     monkeypatch.setattr(emulate.Emulation, "run", emulation_run)
     monkeypatch.setattr(emulate, "run_sandboxes", trip("sandboxes"))
-    monkeypatch.setattr(sweep.Sweep, "run", trip("a sweep"))
+    monkeypatch.setattr(sweep, "multirun", trip("a sweep"))
     monkeypatch.setattr(calibrate, "calibrate", trip("a calibration"))
     real_spec = importlib.util.spec_from_file_location
 

@@ -15,7 +15,7 @@ import pytest
 
 from prism_megatron.config import ConfigError
 from prism_megatron.moe.pictures import read_png_size
-from prism_megatron.sweep.run import expand
+from prism_megatron.sweep.points import expand
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -1,0 +1,249 @@
+"""The sweep's Hydra sweeper (`hydra/sweeper=prism`, the app's default): a grid or an Optuna search,
+each point a job of the configured Hydra launcher (`hydra/launcher=joblib|submitit_local|
+submitit_slurm|ray`), so each runs in its own process (joblib with n_jobs=1 runs them in this one).
+
+Before any job starts, every point of the grid is validated (`evaluate.point_config`): a layout that
+does not divide (heads % tp, layers % (pp * vpp), experts % ep, the batch by micro-batch x DP) is
+recorded as `invalid: REASON` and never captured. A point whose row (`points/<id>/row.json`, written
+by its job as it ends) is already there is not run again: a sweep killed at any point and run again
+reruns only the points that had not finished. The table (results.py) is rewritten from the rows after
+every launched batch (`batch` points: the launcher's n_jobs for joblib, else all of them at once).
+
+search=optuna: an Optuna study (TPE, `seed`) over the swept keys' values, maximizing tokens/s/GPU, the
+predicted peak memory at most the GPU's capacity as its constraint (`constraints_func`); a proposal
+that is an invalid layout is told pruned at once (no capture, not a trial), one already evaluated is
+told its row again. `n_trials` points are evaluated at most. The study lives in `<out>/optuna.db`
+(SQLite), so a rerun continues it; its trials are the table's rows, in trial order.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hydra.plugins.sweeper import Sweeper
+
+from prism_megatron.config.schema import ConfigError
+from prism_megatron.sweep.evaluate import PointResult, SweepSettings, point_config, read_row, write_row
+from prism_megatron.sweep.points import parse_space, point_id
+from prism_megatron.sweep.results import Table, write_table
+
+SEARCHES = ("grid", "optuna")
+
+
+@dataclass
+class PrismSweeperConf:
+    _target_: str = "hydra_plugins.prism_megatron_sweeper.PrismSweeper"
+    search: str = "grid"
+    """grid: every point; optuna: a search of at most n_trials points."""
+    n_trials: int = 12
+    seed: int = 0
+    batch: Optional[int] = None
+    """Points per launch (None: joblib's n_jobs, else all; a search: joblib's n_jobs, else 1)."""
+
+
+class SweepDriver(Sweeper):
+    """See the module docstring."""
+
+    def __init__(self, search: str = "grid", n_trials: int = 12, seed: int = 0,
+                 batch: Optional[int] = None) -> None:
+        if search not in SEARCHES:
+            raise ConfigError(f"hydra.sweeper.search={search}: expected one of {', '.join(SEARCHES)}")
+        if n_trials < 1 or (batch is not None and batch < 1):
+            raise ConfigError(f"hydra.sweeper.n_trials={n_trials} / batch={batch}: expected 1 or more")
+        self.search, self.n_trials, self.seed, self.batch = search, n_trials, seed, batch
+        self.launcher = None
+        self.job_idx = 0
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    # -- the sweep -----------------------------------------------------------------------------
+
+    def sweep(self, arguments: list[str]) -> Table:
+        from omegaconf import OmegaConf
+
+        from prism_megatron.config.loader import MODEL_PRESETS
+
+        given = OmegaConf.to_container(self.config.sweep, resolve=True)
+        self.settings = SweepSettings(**{k: v for k, v in given.items() if k in SweepSettings.__dataclass_fields__})
+        self.out = Path(self.settings.out)
+        space = parse_space(arguments, sorted(MODEL_PRESETS))
+        self.keys = space.swept_keys()
+        points = space.points()
+        if self.search == "grid":
+            return self._grid(points)
+        return self._optuna(space, points)
+
+    def _batch_size(self, default_all: int) -> int:
+        if self.batch:
+            return self.batch
+        n_jobs = self.config.hydra.launcher.get("n_jobs")
+        if isinstance(n_jobs, int) and n_jobs > 0:
+            return n_jobs
+        return default_all
+
+    def _launch(self, todo: list[tuple[str, list[str]]]) -> dict[str, PointResult]:
+        """Run `todo` (id, overrides) as one launch; each point's row (a lost job: failed, with why)."""
+        from hydra.core.utils import JobStatus
+
+        jobs = [[*(_hydra_safe(o) for o in ov), f"sweep.point={pid}"] for pid, ov in todo]
+        try:
+            returns = self.launcher.launch(jobs, initial_job_idx=self.job_idx)
+            lost = {}
+            for (pid, _), ret in zip(todo, returns):
+                if ret.status != JobStatus.COMPLETED:
+                    lost[pid] = str(ret._return_value)  # the exception the job ended with
+        except Exception as err:  # noqa: BLE001 - the launcher lost the batch: its points fail, with why
+            lost = {pid: f"{type(err).__name__}: {err}" for pid, _ in todo}
+        self.job_idx += len(jobs)
+        rows = {}
+        for pid, ov in todo:
+            row = read_row(self.out, pid)
+            if row is None:
+                reason = lost.get(pid, "its job ended without a row")
+                row = PointResult(pid, ov, f"failed: the launcher's job: {reason.splitlines()[0]}")
+                write_row(self.out, row)
+            rows[pid] = row
+        return rows
+
+    def _validate(self, pid: str, overrides: list[str]) -> Optional[PointResult]:
+        """The point's `invalid` row if its layout does not hold, before any capture."""
+        try:
+            point_config(self.settings, overrides)
+        except ConfigError as err:
+            return PointResult(pid, overrides, f"invalid: {err}")
+        return None
+
+    def _grid(self, points: list[list[str]]) -> Table:
+        ids = [point_id(p, self.settings.script) for p in points]
+        rows: dict[str, PointResult] = {}
+        for pid, p in zip(ids, points):
+            row = read_row(self.out, pid) or self._validate(pid, p)
+            if row is not None:
+                rows[pid] = row
+        todo = [(pid, p) for pid, p in zip(ids, points) if pid not in rows]
+        done = sum(1 for r in rows.values() if not r.status.startswith("invalid"))
+        if done:
+            print(f"sweep: {done} of {len(points)} points already done ({self.out / 'points'}); "
+                  f"running {len(todo)}", file=sys.stderr, flush=True)
+
+        def table() -> Table:
+            return Table(self.keys, [rows[pid] for pid in ids if pid in rows])
+
+        write_table(self.out, table())
+        size = self._batch_size(max(1, len(todo)))
+        for start in range(0, len(todo), size):
+            rows.update(self._launch(todo[start:start + size]))
+            write_table(self.out, table())
+            print(f"sweep: {min(start + size, len(todo))}/{len(todo)} points run", file=sys.stderr, flush=True)
+        return table()
+
+    def _optuna(self, space, points: list[list[str]]) -> Table:
+        import optuna
+
+        from prism_megatron.sim.cluster import load_cluster
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        capacity = load_cluster(self.settings.cluster).gpu_memory_bytes
+        self.out.mkdir(parents=True, exist_ok=True)
+        sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(5, self.n_trials),
+                                             constraints_func=lambda t: (t.user_attrs.get("over_bytes", 0.0),))
+        study = optuna.create_study(study_name="prism-sweep", direction="maximize", sampler=sampler,
+                                    storage=f"sqlite:///{self.out / 'optuna.db'}", load_if_exists=True)
+        axes = [a for a in space.axes if a.swept]
+        fixed = [a.values[0] for a in space.axes if not a.swept]
+        order = [a.key for a in space.axes]
+        valid = sum(1 for p in points if self._validate(point_id(p, self.settings.script), p) is None)
+        history: list[tuple[int, str]] = []  # (trial, point) of every evaluated trial, in order
+        rows: dict[str, PointResult] = {}
+        for t in study.get_trials(deepcopy=False):  # a rerun: the study's trials so far
+            pid = t.user_attrs.get("point")
+            row = read_row(self.out, pid) if pid else None
+            if row is not None and t.state != optuna.trial.TrialState.PRUNED:
+                rows[pid] = row
+                history.append((t.number, pid))
+        evaluated = {pid for _, pid in history}
+        if history:
+            print(f"sweep: the study has {len(evaluated)} points evaluated ({self.out / 'optuna.db'})",
+                  file=sys.stderr, flush=True)
+
+        def table() -> Table:
+            return Table(self.keys, [rows[pid] for _, pid in history], trials=[n for n, _ in history])
+
+        asks = 0
+        while len(evaluated) < min(self.n_trials, valid) and asks < 50 * self.n_trials:
+            pending = []
+            while len(pending) < self._batch_size(1) and len(evaluated) + len(pending) < self.n_trials:
+                asks += 1
+                trial = study.ask()
+                chosen = {a.key: trial.suggest_categorical(a.key, list(a.values)) for a in axes}
+                overrides = sorted([*fixed, *chosen.values()], key=lambda o: order.index(o.partition("=")[0]))
+                pid = point_id(overrides, self.settings.script)
+                trial.set_user_attr("point", pid)
+                bad = self._validate(pid, overrides)
+                if bad is not None:
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                elif pid in rows or pid in {p for _, p, _ in pending}:
+                    known = rows.get(pid)
+                    if known is not None:
+                        self._tell(study, trial, known, capacity)
+                    else:
+                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # in this batch already
+                else:
+                    row = read_row(self.out, pid)
+                    if row is not None:  # evaluated by an earlier, killed run before its trial was told
+                        rows[pid] = row
+                        evaluated.add(pid)
+                        history.append((trial.number, pid))
+                        self._tell(study, trial, row, capacity)
+                    else:
+                        pending.append((trial, pid, overrides))
+                if asks >= 50 * self.n_trials:
+                    break
+            if not pending:
+                continue
+            got = self._launch([(pid, ov) for _, pid, ov in pending])
+            for trial, pid, _ in pending:
+                rows[pid] = got[pid]
+                evaluated.add(pid)
+                history.append((trial.number, pid))
+                self._tell(study, trial, got[pid], capacity)
+            write_table(self.out, table())
+            best = table().best()
+            print(f"sweep: {len(evaluated)}/{self.n_trials} trials evaluated ({asks} proposed); best "
+                  f"{best.tokens_per_s_per_gpu:.1f} tokens/s/GPU" if best else
+                  f"sweep: {len(evaluated)}/{self.n_trials} trials evaluated, none fits yet",
+                  file=sys.stderr, flush=True)
+        write_table(self.out, table())
+        return table()
+
+    @staticmethod
+    def _tell(study, trial, row: PointResult, capacity: int) -> None:
+        import optuna
+
+        if row.status != "ok":
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return
+        trial.set_user_attr("over_bytes", float(row.max_peak_bytes - capacity))
+        study.tell(trial, row.tokens_per_s_per_gpu)
+
+
+def _hydra_safe(override: str) -> str:
+    """`key=value` as Hydra's parser takes it: a value it reads as a call is quoted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_overrides([override])
+        return override
+    except HydraException:
+        key, _, value = override.partition("=")
+        return f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
+
