@@ -76,6 +76,16 @@ def _run(settings, mine: list[str], hydra: list[str]):
     try:
         return multirun(settings, [*mine, *hydra])
     except (HydraException, OmegaConfBaseException) as err:
-        cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
-        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(err).__name__)
-        raise ConfigError(f"sweep: Hydra refused {' '.join(hydra) or 'the sweep'}: {first}") from None
+        if isinstance(err.__cause__, ConfigError):  # the sweeper's own settings
+            raise err.__cause__ from None
+        text = str(err) + (f"\n{err.__cause__}" if err.__cause__ else "")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if any(line.startswith("Available options") for line in lines):
+            at = next(i for i, line in enumerate(lines) if line.startswith("Available options"))
+            options = [o for o in lines[at + 1:] if not o.endswith(":") and "=" not in o]
+            options = options[:options.index("Config search path:")] if "Config search path:" in options else options
+            reason = f"{lines[0]}; the options: {', '.join(options)}"
+        else:
+            reason = "; ".join(lines[:2]) or type(err).__name__
+        given = " ".join(o for o in hydra if not o.startswith("hydra.launcher.n_jobs=")) or "the sweep"
+        raise ConfigError(f"sweep: Hydra refused {given}: {reason}") from None

@@ -1,7 +1,7 @@
 """One sweep point, in its own process: validated, captured (through the content-addressed capture
 cache), simulated on the cluster; its row written atomically to `<out>/points/<id>/row.json`.
 
-The capture cache (`<out>/captures/<key>/`): a capture's key is the SHA-256 of the config every slice
+The capture cache (`<out>/captures/<key>/`, or `sweep.captures=DIR`'s): a capture's key is the SHA-256 of the config every slice
 runs (capture/run.py: faults removed, they act in the replay) with the global batch size set to the
 one the cache captures, so points that differ only in what the replay can change share one capture:
 the cluster (never part of the capture), faults, and, for a 1F1B or unpipelined schedule (no
@@ -40,8 +40,13 @@ class SweepSettings:
     """Capture slices at once per point (None: the capture's default)."""
     cwd: str = "."
     """Where the script's relative paths are read from (a SLURM job starts elsewhere)."""
-    cache: bool = True
+    captures: Optional[str] = None
+    """The capture cache's folder (None: `<out>/captures`); sweeps may share one (`sweep.captures=DIR`)."""
+    share: bool = True
     """Share captures between points that differ only in what the replay changes."""
+
+    def cache_dir(self) -> Path:
+        return Path(self.captures) if self.captures else Path(self.out) / "captures"
 
 
 @dataclass
@@ -133,15 +138,15 @@ def _simulate(settings: SweepSettings, cfg: PrismConfig, pid: str, overrides: li
     from prism_megatron.sim.reschedule import RescheduleError, with_microbatches
 
     out = Path(settings.out)
-    plan = capture_plan(cfg, settings.cache and not settings.script)
-    graph = load_graph(_captured(settings, plan.cfg, out))
+    plan = capture_plan(cfg, settings.share and not settings.script)
+    graph = load_graph(_captured(settings, plan.cfg))
     key = plan.key
     if plan.microbatches is not None:
         try:
             graph = with_microbatches(graph, plan.microbatches)
         except RescheduleError:  # not periodic: this point is captured as it is
             exact = capture_plan(cfg, False)
-            graph, key = load_graph(_captured(settings, exact.cfg, out)), exact.key
+            graph, key = load_graph(_captured(settings, exact.cfg)), exact.key
     cluster = load_cluster(settings.cluster)
     sim = Simulator(graph, cluster.cost_model()).run()
     figures = job_figures(sim.iteration_s, graph.world.world_size, str(graph.meta.get("config", "")), cluster)
@@ -186,15 +191,15 @@ def capture_plan(cfg: PrismConfig, share: bool) -> CapturePlan:
     return CapturePlan(job, hashlib.sha256(text.encode()).hexdigest()[:16], rewrite)
 
 
-def _captured(settings: SweepSettings, cfg: PrismConfig, out: Path) -> str:
+def _captured(settings: SweepSettings, cfg: PrismConfig) -> str:
     """The graph of `cfg` from the cache, captured first if it is not there (one capture per key)."""
     from prism_megatron.capture.run import Capture
 
     key = capture_plan(cfg, False).key
-    where = out / "captures" / key
+    where = settings.cache_dir() / key
     where.mkdir(parents=True, exist_ok=True)
     graph = where / "graph.prism"
-    with open(out / "captures" / f"{key}.lock", "w") as lock:
+    with open(settings.cache_dir() / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another point capturing this key: wait for it
         if not graph.exists():
             Capture(cfg, str(where), workers=settings.workers, log=lambda s: None).run()

@@ -45,13 +45,17 @@ class SweepSpace:
         return [a.key for a in self.axes if a.swept]
 
 
+def is_app_key(item: str) -> bool:
+    """An override of the app rather than of a point: Hydra's (`hydra/...=`, `hydra.`) or the sweep
+    section's (`sweep.captures=DIR`)."""
+    key = item.lstrip("+~").partition("=")[0]
+    return key == "hydra" or key.startswith(("hydra/", "hydra.", "sweep."))
+
+
 def split_hydra(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """(the points' overrides, Hydra's own: `hydra/...=` and `hydra.` keys)."""
-    mine, hydra = [], []
-    for item in overrides:
-        key = item.lstrip("+~").partition("=")[0]
-        (hydra if key == "hydra" or key.startswith(("hydra/", "hydra.")) else mine).append(item)
-    return mine, hydra
+    """(the points' overrides, the app's: see `is_app_key`)."""
+    mine = [o for o in overrides if not is_app_key(o)]
+    return mine, [o for o in overrides if is_app_key(o)]
 
 
 def parse_space(overrides: list[str], presets: Optional[list[str]] = None) -> SweepSpace:

@@ -27,7 +27,7 @@ from hydra.plugins.sweeper import Sweeper
 
 from prism_megatron.config.schema import ConfigError
 from prism_megatron.sweep.evaluate import PointResult, SweepSettings, point_config, read_row, write_row
-from prism_megatron.sweep.points import parse_space, point_id
+from prism_megatron.sweep.points import is_app_key, parse_space, point_id
 from prism_megatron.sweep.results import Table, write_table
 
 SEARCHES = ("grid", "optuna")
@@ -74,7 +74,7 @@ class SweepDriver(Sweeper):
         given = OmegaConf.to_container(self.config.sweep, resolve=True)
         self.settings = SweepSettings(**{k: v for k, v in given.items() if k in SweepSettings.__dataclass_fields__})
         self.out = Path(self.settings.out)
-        space = parse_space(arguments, sorted(MODEL_PRESETS))
+        space = parse_space([a for a in arguments if not is_app_key(a)], sorted(MODEL_PRESETS))
         self.keys = space.swept_keys()
         points = space.points()
         if self.search == "grid":
