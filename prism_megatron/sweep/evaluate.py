@@ -1,13 +1,14 @@
 """One sweep point, in its own process: validated, captured (through the content-addressed capture
 cache), simulated on the cluster; its row written atomically to `<out>/points/<id>/row.json`.
 
-The capture cache (`<out>/captures/<key>/`, or `sweep.captures=DIR`'s): a capture's key is the SHA-256 of the config every slice
-runs (capture/run.py: faults removed, they act in the replay) with the global batch size set to the
-one the cache captures, so points that differ only in what the replay can change share one capture:
-the cluster (never part of the capture), faults, and, for a 1F1B or unpipelined schedule (no
-interleaving) and the built-in example, the number of microbatches: the cache captures pp + 2 of them
-(the least sim/reschedule.py rewrites from) and the point's count is the replay's rewrite. A point
-whose graph does not rewrite (sim/reschedule.py refuses it with the reason) is captured as it is.
+The capture cache (`<out>/captures/<key>/`, or `sweep.captures=DIR`, which sweeps may share): a
+capture's key is the SHA-256 of the config every slice runs (capture/run.py: faults removed) with
+the global batch size set to the one the cache captures, so points that differ only in what the
+replay can change share one capture: the cluster (never part of the capture), `faults.inject`
+(replayed here on the clean job's graph, its first iteration), and, for a 1F1B or unpipelined
+schedule (no interleaving) of the built-in example, the number of microbatches: the cache captures
+pp + 2 of them (the least sim/reschedule.py rewrites from) and the replay rewrites the graph to the
+point's count. A graph that does not rewrite (not periodic) is captured at the point's own batch.
 Concurrent points that need one key take turns on a lock file: the second finds the slices done.
 """
 
@@ -131,9 +132,10 @@ def evaluate(settings: SweepSettings, pid: str, overrides: list[str]) -> PointRe
 
 
 def _simulate(settings: SweepSettings, cfg: PrismConfig, pid: str, overrides: list[str]) -> PointResult:
+    from prism_megatron.faults.impact import job_time, replay
+    from prism_megatron.faults.spec import FaultSet
     from prism_megatron.graph import load_graph
     from prism_megatron.sim.cluster import load_cluster
-    from prism_megatron.sim.des import Simulator
     from prism_megatron.sim.report import job_figures
     from prism_megatron.sim.reschedule import RescheduleError, with_microbatches
 
@@ -148,14 +150,16 @@ def _simulate(settings: SweepSettings, cfg: PrismConfig, pid: str, overrides: li
             exact = capture_plan(cfg, False)
             graph, key = load_graph(_captured(settings, exact.cfg)), exact.key
     cluster = load_cluster(settings.cluster)
-    sim = Simulator(graph, cluster.cost_model()).run()
-    figures = job_figures(sim.iteration_s, graph.world.world_size, str(graph.meta.get("config", "")), cluster)
+    faults = FaultSet.parse(cfg.faults.inject, graph.world.world_size, graph.world.gpus_per_node).at(0, 0.0)
+    sim = replay(graph, cluster.cost_model(), faults)  # the faults act here, never in the capture
+    iteration_s = job_time(sim, faults)
+    figures = job_figures(iteration_s, graph.world.world_size, str(graph.meta.get("config", "")), cluster)
     stages: dict[int, int] = {}
     for role, g in graph.roles.items():
         stages[role.pp] = max(stages.get(role.pp, 0), int(g.peak_bytes))
     peak = max(stages.values())
     slowest = max(sim.classes, key=lambda c: c.iteration_s)
-    return PointResult(pid, overrides, "ok", iteration_time_s=sim.iteration_s,
+    return PointResult(pid, overrides, "ok", iteration_time_s=iteration_s,
                        tokens_per_s_per_gpu=figures["tokens_per_s_per_gpu"], mfu=figures["mfu"],
                        max_peak_bytes=peak, stage_peak_bytes=[stages[s] for s in sorted(stages)],
                        fits=peak <= cluster.gpu_memory_bytes, exposed_comm_s=slowest.exposed_comm_s,
