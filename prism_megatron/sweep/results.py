@@ -140,14 +140,15 @@ def plot_frontier(path: Path, rows: list[PointResult], capacity_bytes: int) -> N
     for fits, colour, label in ((True, "#21918c", "fits"), (False, "#c81e1e", "does not fit")):
         mine = [r for r in ok if bool(r.fits) == fits]
         if mine:
-            ax.scatter([r.max_peak_bytes / 2**30 for r in mine], [r.tokens_per_s_per_gpu for r in mine],
+            ax.scatter([r.max_peak_bytes / 2**20 for r in mine], [r.tokens_per_s_per_gpu for r in mine],
                        c=colour, label=label, s=24)
     front = frontier(ok)
     if front:
-        ax.step([r.max_peak_bytes / 2**30 for r in front], [r.tokens_per_s_per_gpu for r in front],
+        ax.step([r.max_peak_bytes / 2**20 for r in front], [r.tokens_per_s_per_gpu for r in front],
                 where="post", c="#440154", label="feasible frontier")
-    ax.axvline(capacity_bytes / 2**30, ls="--", c="grey", label="GPU memory")
-    ax.set_xlabel("predicted peak memory per GPU (GiB)")
+    ax.axvline(capacity_bytes / 2**20, ls="--", c="grey", label="GPU memory")
+    ax.set_xscale("log")  # a tiny model's MiB and a GPU's GiB on one axis
+    ax.set_xlabel("predicted peak memory per GPU (MiB, log scale)")
     ax.set_ylabel("tokens/s/GPU")
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
