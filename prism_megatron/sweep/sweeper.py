@@ -56,6 +56,7 @@ class SweepDriver(Sweeper):
         self.search, self.n_trials, self.seed, self.batch = search, n_trials, seed, batch
         self.launcher = None
         self.job_idx = 0
+        self.app_args: list[str] = []
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         from hydra.core.plugins import Plugins
@@ -74,6 +75,8 @@ class SweepDriver(Sweeper):
         given = OmegaConf.to_container(self.config.sweep, resolve=True)
         self.settings = SweepSettings(**{k: v for k, v in given.items() if k in SweepSettings.__dataclass_fields__})
         self.out = Path(self.settings.out)
+        # the app's settings given on the command line (sweep.captures=DIR) hold for every job too
+        self.app_args = [a for a in arguments if is_app_key(a)]
         space = parse_space([a for a in arguments if not is_app_key(a)], sorted(MODEL_PRESETS))
         self.keys = space.swept_keys()
         points = space.points()
@@ -93,7 +96,7 @@ class SweepDriver(Sweeper):
         """Run `todo` (id, overrides) as one launch; each point's row (a lost job: failed, with why)."""
         from hydra.core.utils import JobStatus
 
-        jobs = [[*(_hydra_safe(o) for o in ov), f"sweep.point={pid}"] for pid, ov in todo]
+        jobs = [[*self.app_args, *(_hydra_safe(o) for o in ov), f"sweep.point={pid}"] for pid, ov in todo]
         try:
             returns = self.launcher.launch(jobs, initial_job_idx=self.job_idx)
             lost = {}
