@@ -201,3 +201,53 @@ def test_an_optuna_search_of_12_trials_finds_the_grids_best_point(tmp_path):
     assert float(found["tokens_per_s_per_gpu"]) == pytest.approx(float(best["tokens_per_s_per_gpu"]))
     summary = json.loads((tmp_path / "search" / "summary.json").read_text())
     assert summary["best"]["point"] == best["point"]
+
+
+class _Launcher:
+    """A Hydra launcher stand-in: a job of parallel.tp=2 dies (its exception is the JobReturn's), the
+    others write their rows as `run_point` would."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.launched = out, []
+
+    def launch(self, job_overrides, initial_job_idx):
+        from hydra.core.utils import JobReturn, JobStatus
+
+        from prism_megatron.sweep.evaluate import write_row
+
+        returns = []
+        for overrides in job_overrides:
+            self.launched.append(list(overrides))
+            pid = next(o.partition("=")[2] for o in overrides if o.startswith("sweep.point="))
+            ret = JobReturn()
+            if "parallel.tp=2" in overrides:
+                ret.status, ret._return_value = JobStatus.FAILED, RuntimeError("node lost")
+            else:
+                write_row(self.out, _row(pid, "1", 5.0, 100, True))
+                ret.status, ret._return_value = JobStatus.COMPLETED, {}
+            returns.append(ret)
+        return returns
+
+
+def test_a_failed_job_is_its_points_row_with_the_reason_and_the_others_finish(tmp_path):
+    from omegaconf import OmegaConf
+
+    from prism_megatron.sweep.sweeper import SweepDriver
+
+    driver = SweepDriver(batch=2)
+    driver.config = OmegaConf.create({"sweep": {"out": str(tmp_path), "cluster": "cpu_host"},
+                                      "hydra": {"launcher": {"n_jobs": 2}}})
+    driver.launcher = _Launcher(tmp_path)
+    points = ["emulation.virtual_world_size=16", "parallel.tp=1,2,8", "parallel.pp=1", *TINY,
+              "train.global_batch_size=16", "sweep.captures=/shared"]
+    table = driver.sweep(points)
+    status = {dict(o.split("=", 1) for o in r.overrides)["parallel.tp"]: r.status for r in table.rows}
+    assert status["1"] == "ok" and "node lost" in status["2"] and status["8"].startswith("invalid:")
+    assert len(driver.launcher.launched) == 2  # the invalid layout never reached the launcher
+    assert all("sweep.captures=/shared" in job for job in driver.launcher.launched)
+    assert len(_csv(tmp_path)) == 3
+    again = SweepDriver(batch=2)  # a rerun: only the failed point is tried again
+    again.config, again.launcher = driver.config, _Launcher(tmp_path)
+    again.sweep(points)
+    assert [dict(o.split("=", 1) for o in job)["parallel.tp"] for job in again.launcher.launched] == ["2"]
+    assert len(_csv(tmp_path)) == 3

@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from prism_megatron.sweep.evaluate import SweepSettings, evaluate, read_row, write_row
+from prism_megatron.sweep.evaluate import SweepSettings, evaluate, finished, read_row, write_row
 
 CONFIG_NAME = "prism_sweep"
 
@@ -86,7 +86,7 @@ def run_point(cfg) -> dict:
     settings = SweepSettings(**{k: v for k, v in given.items() if k in SweepSettings.__dataclass_fields__})
     out, pid = Path(settings.out), str(cfg.sweep.point)
     done = read_row(out, pid)
-    if done is not None:  # finished by an earlier run (a basic sweeper reruns every job)
+    if finished(done):  # finished by an earlier run (a basic sweeper reruns every job)
         return asdict(done)
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("sweep.")]
     row = evaluate(settings, pid, overrides)

@@ -79,6 +79,11 @@ class PointResult:
         return PointResult(**known)
 
 
+def finished(row: Optional[PointResult]) -> bool:
+    """A row a rerun keeps: simulated, or an invalid layout; a failed point is tried again."""
+    return row is not None and not row.status.startswith("failed")
+
+
 def row_path(out: Path, pid: str) -> Path:
     return out / "points" / pid / "row.json"
 

@@ -6,7 +6,7 @@ Before any job starts, every point of the grid is validated (`evaluate.point_con
 does not divide (heads % tp, layers % (pp * vpp), experts % ep, the batch by micro-batch x DP) is
 recorded as `invalid: REASON` and never captured. A point whose row (`points/<id>/row.json`, written
 by its job as it ends) is already there is not run again: a sweep killed at any point and run again
-reruns only the points that had not finished. The table (results.py) is rewritten from the rows after
+reruns only the points that had not finished (and those that failed: a failure may be the node's). The table (results.py) is rewritten from the rows after
 every launched batch (`batch` points: the launcher's n_jobs for joblib, else all of them at once).
 
 search=optuna: an Optuna study (TPE, `seed`) over the swept keys' values, maximizing tokens/s/GPU, the
@@ -26,7 +26,8 @@ from typing import Optional
 from hydra.plugins.sweeper import Sweeper
 
 from prism_megatron.config.schema import ConfigError
-from prism_megatron.sweep.evaluate import PointResult, SweepSettings, point_config, read_row, write_row
+from prism_megatron.sweep.evaluate import (PointResult, SweepSettings, finished, point_config, read_row,
+                                           write_row)
 from prism_megatron.sweep.points import is_app_key, parse_space, point_id
 from prism_megatron.sweep.results import Table, write_table
 
@@ -128,7 +129,8 @@ class SweepDriver(Sweeper):
         ids = [point_id(p, self.settings.script) for p in points]
         rows: dict[str, PointResult] = {}
         for pid, p in zip(ids, points):
-            row = read_row(self.out, pid) or self._validate(pid, p)
+            row = read_row(self.out, pid)
+            row = row if finished(row) else self._validate(pid, p)
             if row is not None:
                 rows[pid] = row
         todo = [(pid, p) for pid, p in zip(ids, points) if pid not in rows]
@@ -169,6 +171,11 @@ class SweepDriver(Sweeper):
         for t in study.get_trials(deepcopy=False):  # a rerun: the study's trials so far
             pid = t.user_attrs.get("point")
             row = read_row(self.out, pid) if pid else None
+            if t.state == optuna.trial.TrialState.RUNNING:  # asked by a killed run: told now
+                if row is None:
+                    study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+                else:
+                    self._tell(study, t.number, row, capacity)
             if row is not None and t.state != optuna.trial.TrialState.PRUNED:
                 rows[pid] = row
                 history.append((t.number, pid))
@@ -201,7 +208,7 @@ class SweepDriver(Sweeper):
                         study.tell(trial, state=optuna.trial.TrialState.PRUNED)  # in this batch already
                 else:
                     row = read_row(self.out, pid)
-                    if row is not None:  # evaluated by an earlier, killed run before its trial was told
+                    if finished(row):  # evaluated by an earlier, killed run before its trial was told
                         rows[pid] = row
                         evaluated.add(pid)
                         history.append((trial.number, pid))
@@ -234,7 +241,14 @@ class SweepDriver(Sweeper):
         if row.status != "ok":
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return
-        trial.set_user_attr("over_bytes", float(row.max_peak_bytes - capacity))
+        over = float(row.max_peak_bytes - capacity)
+        if isinstance(trial, int):  # asked by a killed run (a number: no attributes to set), so a point
+            if over > 0:            # that does not fit is told failed rather than feasible
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            else:
+                study.tell(trial, row.tokens_per_s_per_gpu)
+            return
+        trial.set_user_attr("over_bytes", over)
         study.tell(trial, row.tokens_per_s_per_gpu)
 
 
