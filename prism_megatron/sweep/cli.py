@@ -85,6 +85,8 @@ def _run(settings, mine: list[str], hydra: list[str]):
             options = [o for o in lines[at + 1:] if not o.endswith(":") and "=" not in o]
             options = options[:options.index("Config search path:")] if "Config search path:" in options else options
             reason = f"{lines[0]}; the options: {', '.join(options)}"
+            if "hydra/launcher/" in lines[0]:
+                reason += " (another launcher needs its Hydra plugin: pip install hydra-ray-launcher for ray)"
         else:
             reason = "; ".join(lines[:2]) or type(err).__name__
         given = " ".join(o for o in hydra if not o.startswith("hydra.launcher.n_jobs=")) or "the sweep"
