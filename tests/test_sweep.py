@@ -176,9 +176,10 @@ def test_an_optuna_search_of_12_trials_finds_the_grids_best_point(tmp_path):
     rows = _csv(tmp_path / "grid")
     assert len(rows) == 24 and all(r["status"] == "ok" for r in rows), rows
     assert len(list(captures.glob("*/graph.prism"))) == 6
-    # a GPU just too small for the fastest layout: the constraint decides the answer
+    # a GPU just too small for the fastest layout (its tp and pp, any batch): the constraint decides
     fastest = max(rows, key=lambda r: float(r["tokens_per_s_per_gpu"]))
-    capacity = int(fastest["max_peak_bytes"]) - 1
+    capacity = min(int(r["max_peak_bytes"]) for r in rows
+                   if (r["parallel.tp"], r["parallel.pp"]) == (fastest["parallel.tp"], fastest["parallel.pp"])) - 1
     fitting = [r for r in rows if int(r["max_peak_bytes"]) <= capacity]
     assert fitting, "no layout is smaller than the fastest one"
     best = max(fitting, key=lambda r: float(r["tokens_per_s_per_gpu"]))
@@ -251,3 +252,51 @@ def test_a_failed_job_is_its_points_row_with_the_reason_and_the_others_finish(tm
     again.sweep(points)
     assert [dict(o.split("=", 1) for o in job)["parallel.tp"] for job in again.launcher.launched] == ["2"]
     assert len(_csv(tmp_path)) == 3
+
+
+class _Objective(_Launcher):
+    """A launcher stand-in whose jobs score a point without a capture: throughput grows with the
+    batch and falls with tp and pp; tp=1 with pp=1 does not fit a 24 GiB GPU."""
+
+    def launch(self, job_overrides, initial_job_idx):
+        from hydra.core.utils import JobReturn, JobStatus
+
+        from prism_megatron.sweep.evaluate import write_row
+
+        returns = []
+        for overrides in job_overrides:
+            self.launched.append(list(overrides))
+            given = dict(o.split("=", 1) for o in overrides)
+            tp, pp, gbs = (int(given[k]) for k in ("parallel.tp", "parallel.pp", "train.global_batch_size"))
+            peak = 30 * 2**30 // (tp * pp)
+            row = _row(given["sweep.point"], str(tp), gbs / 1024 * 8 / tp * 0.6 ** (pp - 1), peak, peak <= 24 * 2**30)
+            row.overrides = [o for o in overrides if not o.startswith("sweep.")]
+            write_row(self.out, row)
+            ret = JobReturn()
+            ret.status, ret._return_value = JobStatus.COMPLETED, {}
+            returns.append(ret)
+        return returns
+
+
+def test_the_search_evaluates_at_most_n_trials_valid_points_and_resumes(tmp_path):
+    from omegaconf import OmegaConf
+
+    from prism_megatron.sweep.sweeper import SweepDriver
+
+    config = OmegaConf.create({"sweep": {"out": str(tmp_path), "cluster": "cpu_host"}, "hydra": {"launcher": {}}})
+    space = ["emulation.virtual_world_size=256", "parallel.tp=1,2,4,8", "parallel.pp=1,2", *TINY,
+             "train.global_batch_size=1024,2048,3072,4096"]  # tp=8: 4 heads do not divide, pruned
+    driver = SweepDriver(search="optuna", n_trials=12, seed=0)
+    driver.config, driver.launcher = config, _Objective(tmp_path)
+    table = driver.sweep(space)
+    launched = [dict(o.split("=", 1) for o in job) for job in driver.launcher.launched]
+    assert 0 < len(launched) <= 12 and all(j["parallel.tp"] != "8" for j in launched)
+    assert len({j["sweep.point"] for j in launched}) == len(launched)  # no point twice
+    assert [r.point for r in table.rows] == [j["sweep.point"] for j in launched]  # trial order
+    best = dict(o.split("=", 1) for o in table.best().overrides)
+    assert (best["parallel.tp"], best["parallel.pp"], best["train.global_batch_size"]) == ("1", "2", "4096")
+    assert (tmp_path / "optuna.db").exists()
+    again = SweepDriver(search="optuna", n_trials=12, seed=0)  # the study continues: 12 are done
+    again.config, again.launcher = config, _Objective(tmp_path)
+    assert [r.point for r in again.sweep(space).rows] == [r.point for r in table.rows]
+    assert again.launcher.launched == []

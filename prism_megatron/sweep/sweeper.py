@@ -9,10 +9,12 @@ by its job as it ends) is already there is not run again: a sweep killed at any 
 reruns only the points that had not finished (and those that failed: a failure may be the node's). The table (results.py) is rewritten from the rows after
 every launched batch (`batch` points: the launcher's n_jobs for joblib, else all of them at once).
 
-search=optuna: an Optuna study (TPE, `seed`) over the swept keys' values, maximizing tokens/s/GPU, the
-predicted peak memory at most the GPU's capacity as its constraint (`constraints_func`); a proposal
-that is an invalid layout is told pruned at once (no capture, not a trial), one already evaluated is
-told its row again. `n_trials` points are evaluated at most. The study lives in `<out>/optuna.db`
+search=optuna: an Optuna study (multivariate TPE, `seed`) over the swept keys' values (a numeric key
+as the index of its value in numeric order, so the sampler sees the order; others as categories),
+maximizing tokens/s/GPU, the predicted peak memory at most the GPU's capacity as its constraint
+(`Trial.set_constraint`); a proposal that is an invalid layout is told pruned at once (no capture,
+not a trial), one already evaluated is told its row again. `n_trials` points are evaluated at most,
+one at a time (`batch=N`: N at once, at some cost in trials: the sampler learns after each batch). The study lives in `<out>/optuna.db`
 (SQLite), so a rerun continues it; its trials are the table's rows, in trial order.
 """
 
@@ -42,7 +44,7 @@ class PrismSweeperConf:
     n_trials: int = 12
     seed: int = 0
     batch: Optional[int] = None
-    """Points per launch (None: joblib's n_jobs, else all; a search: joblib's n_jobs, else 1)."""
+    """Points per launch (None: a grid, joblib's n_jobs, else all; a search, 1)."""
 
 
 class SweepDriver(Sweeper):
@@ -155,11 +157,14 @@ class SweepDriver(Sweeper):
 
         from prism_megatron.sim.cluster import load_cluster
 
+        import warnings
+
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # multivariate
         capacity = load_cluster(self.settings.cluster).gpu_memory_bytes
         self.out.mkdir(parents=True, exist_ok=True)
         sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(5, self.n_trials),
-                                             constraints_func=lambda t: (t.user_attrs.get("over_bytes", 0.0),))
+                                             multivariate=True)
         study = optuna.create_study(study_name="prism-sweep", direction="maximize", sampler=sampler,
                                     storage=f"sqlite:///{self.out / 'optuna.db'}", load_if_exists=True)
         axes = [a for a in space.axes if a.swept]
@@ -176,8 +181,8 @@ class SweepDriver(Sweeper):
                     study.tell(t.number, state=optuna.trial.TrialState.FAIL)
                 else:
                     self._tell(study, t.number, row, capacity)
-            if row is not None and t.state != optuna.trial.TrialState.PRUNED:
-                rows[pid] = row
+            if row is not None and t.state != optuna.trial.TrialState.PRUNED and pid not in rows:
+                rows[pid] = row  # a point's first trial (a later one was told its row again)
                 history.append((t.number, pid))
         evaluated = {pid for _, pid in history}
         if history:
@@ -190,10 +195,10 @@ class SweepDriver(Sweeper):
         asks = 0
         while len(evaluated) < min(self.n_trials, valid) and asks < 50 * self.n_trials:
             pending = []
-            while len(pending) < self._batch_size(1) and len(evaluated) + len(pending) < self.n_trials:
+            while len(pending) < (self.batch or 1) and len(evaluated) + len(pending) < self.n_trials:
                 asks += 1
                 trial = study.ask()
-                chosen = {a.key: trial.suggest_categorical(a.key, list(a.values)) for a in axes}
+                chosen = {a.key: _suggest(trial, a) for a in axes}
                 overrides = sorted([*fixed, *chosen.values()], key=lambda o: order.index(o.partition("=")[0]))
                 pid = point_id(overrides, self.settings.script)
                 trial.set_user_attr("point", pid)
@@ -242,14 +247,25 @@ class SweepDriver(Sweeper):
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return
         over = float(row.max_peak_bytes - capacity)
-        if isinstance(trial, int):  # asked by a killed run (a number: no attributes to set), so a point
+        if isinstance(trial, int):  # asked by a killed run (a number: no constraint to set), so a point
             if over > 0:            # that does not fit is told failed rather than feasible
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             else:
                 study.tell(trial, row.tokens_per_s_per_gpu)
             return
-        trial.set_user_attr("over_bytes", over)
+        trial.set_constraint("peak_over_capacity_bytes", over)  # feasible at <= 0
         study.tell(trial, row.tokens_per_s_per_gpu)
+
+
+def _suggest(trial, axis) -> str:
+    """The trial's value of `axis` (an override string): an index in numeric order where every value
+    is a number (tp, pp, batch sizes: the sampler then sees their order), else a category."""
+    values = [v.partition("=")[2] for v in axis.values]
+    try:
+        ordered = sorted(range(len(values)), key=lambda i: float(values[i]))
+    except ValueError:
+        return trial.suggest_categorical(axis.key, list(axis.values))
+    return axis.values[ordered[trial.suggest_int(axis.key, 0, len(values) - 1)]]
 
 
 def _hydra_safe(override: str) -> str:
