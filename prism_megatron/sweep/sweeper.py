@@ -105,7 +105,11 @@ class SweepDriver(Sweeper):
             lost = {}
             for (pid, _), ret in zip(todo, returns):
                 if ret.status != JobStatus.COMPLETED:
-                    lost[pid] = str(ret._return_value)  # the exception the job ended with
+                    try:
+                        ret.return_value  # a failed job's property raises the exception it ended with
+                        lost[pid] = f"status {ret.status}"
+                    except Exception as err:  # noqa: BLE001 - whatever the job raised is its reason
+                        lost[pid] = f"{type(err).__name__}: {err}"
         except Exception as err:  # noqa: BLE001 - the launcher lost the batch: its points fail, with why
             lost = {pid: f"{type(err).__name__}: {err}" for pid, _ in todo}
         self.job_idx += len(jobs)
