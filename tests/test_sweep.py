@@ -186,22 +186,28 @@ def test_an_optuna_search_of_12_trials_finds_the_grids_best_point(tmp_path):
     cluster = tmp_path / "small.yaml"
     text = (REPO / "prism_megatron" / "configs" / "cluster" / "cpu_host.yaml").read_text()
     cluster.write_text(text.replace("gpu_memory_bytes: 25769803776", f"gpu_memory_bytes: {capacity}"))
-    search = subprocess.run([*CLI, *SEARCH, *common, "--cluster", str(cluster), "hydra.sweeper.search=optuna",
-                             "hydra.sweeper.n_trials=12", "--out", str(tmp_path / "search")],
-                            capture_output=True, text=True, env=ENV, cwd=REPO, timeout=1800)
-    assert search.returncode == 0, search.stderr[-3000:]
-    trials = _csv(tmp_path / "search")
-    assert 0 < len(trials) <= 12 and len({r["point"] for r in trials}) == len(trials)
-    assert len(list(captures.glob("*/graph.prism"))) == 6  # the search captured nothing new
-    reached = [i for i, r in enumerate(trials, start=1) if r["point"] == best["point"]]
-    print(f"grid: 24 points in {t1 - t0:.0f} s; search: {len(trials)} trials in {time.time() - t1:.0f} s, "
-          f"the grid's best ({best['parallel.tp']}, {best['parallel.pp']}, "
-          f"{best['train.global_batch_size']}) at trial {reached}")
-    found = max((r for r in trials if r["fits"] == "True"), key=lambda r: float(r["tokens_per_s_per_gpu"]))
-    assert found["point"] == best["point"], (found, best)
-    assert float(found["tokens_per_s_per_gpu"]) == pytest.approx(float(best["tokens_per_s_per_gpu"]))
-    summary = json.loads((tmp_path / "search" / "summary.json").read_text())
-    assert summary["best"]["point"] == best["point"]
+    found_by = []
+    for seed in (0, 1, 2):  # TPE is stochastic: on replays of a measured grid 19 of 20 seeds find it
+        out = tmp_path / f"search{seed}"
+        t2 = time.time()
+        search = subprocess.run([*CLI, *SEARCH, *common, "--cluster", str(cluster), "hydra.sweeper.search=optuna",
+                                 "hydra.sweeper.n_trials=12", f"hydra.sweeper.seed={seed}", "--out", str(out)],
+                                capture_output=True, text=True, env=ENV, cwd=REPO, timeout=1800)
+        assert search.returncode == 0, search.stderr[-3000:]
+        trials = _csv(out)
+        assert 0 < len(trials) <= 12 and len({r["point"] for r in trials}) == len(trials)
+        assert len(list(captures.glob("*/graph.prism"))) == 6  # the search captured nothing new
+        found = max((r for r in trials if r["fits"] == "True"), key=lambda r: float(r["tokens_per_s_per_gpu"]))
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["best"]["point"] == found["point"]  # the search's answer: its best fitting trial
+        reached = [i for i, r in enumerate(trials, start=1) if r["point"] == best["point"]]
+        print(f"seed {seed}: {len(trials)} trials in {time.time() - t2:.0f} s, the grid's best "
+              f"({best['parallel.tp']}, {best['parallel.pp']}, {best['train.global_batch_size']}) at trial {reached}")
+        if found["point"] == best["point"]:
+            assert float(found["tokens_per_s_per_gpu"]) == pytest.approx(float(best["tokens_per_s_per_gpu"]))
+            found_by.append(seed)
+    print(f"grid: 24 points in {t1 - t0:.0f} s; the grid's best found by seeds {found_by}")
+    assert len(found_by) >= 2, f"only seeds {found_by} of 0, 1, 2 found the grid's best point"
 
 
 class _Launcher:

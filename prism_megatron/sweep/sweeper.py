@@ -12,8 +12,11 @@ every launched batch (`batch` points: the launcher's n_jobs for joblib, else all
 search=optuna: an Optuna study (multivariate TPE, `seed`) over the swept keys' values (a numeric key
 as the index of its value in numeric order, so the sampler sees the order; others as categories),
 maximizing tokens/s/GPU, the predicted peak memory at most the GPU's capacity as its constraint
-(`Trial.set_constraint`); a proposal that is an invalid layout is told pruned at once (no capture,
-not a trial), one already evaluated is told its row again. `n_trials` points are evaluated at most,
+(`Trial.set_constraint`; a point over it is told 0 tokens/s, else TPE is drawn to the fast layouts
+that do not fit); a proposal that is an invalid layout is told pruned at once (no capture,
+not a trial), one already evaluated is told its row again. The last quarter of the trials polish:
+each is a neighbour of the best fitting point so far (one key one step along its numeric order, or
+another category), enqueued to the study, while one is left. `n_trials` points are evaluated at most,
 one at a time (`batch=N`: N at once, at some cost in trials: the sampler learns after each batch). The study lives in `<out>/optuna.db`
 (SQLite), so a rerun continues it; its trials are the table's rows, in trial order.
 """
@@ -167,7 +170,7 @@ class SweepDriver(Sweeper):
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # multivariate
         capacity = load_cluster(self.settings.cluster).gpu_memory_bytes
         self.out.mkdir(parents=True, exist_ok=True)
-        sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(5, self.n_trials),
+        sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(3, self.n_trials),
                                              multivariate=True)
         study = optuna.create_study(study_name="prism-sweep", direction="maximize", sampler=sampler,
                                     storage=f"sqlite:///{self.out / 'optuna.db'}", load_if_exists=True)
@@ -201,6 +204,11 @@ class SweepDriver(Sweeper):
             pending = []
             while len(pending) < (self.batch or 1) and len(evaluated) + len(pending) < self.n_trials:
                 asks += 1
+                if len(evaluated) + len(pending) >= self.n_trials - max(1, self.n_trials // 4):
+                    taken = evaluated | {p for _, p, _ in pending}
+                    params = self._neighbour(axes, [rows[p] for p in evaluated], taken, capacity)
+                    if params is not None:  # the last quarter: next to the best, if any is left
+                        study.enqueue_trial(params)
                 trial = study.ask()
                 chosen = {a.key: _suggest(trial, a) for a in axes}
                 overrides = sorted([*fixed, *chosen.values()], key=lambda o: order.index(o.partition("=")[0]))
@@ -243,6 +251,31 @@ class SweepDriver(Sweeper):
         write_table(self.out, table())
         return table()
 
+    def _neighbour(self, axes, rows: list[PointResult], taken: set[str], capacity: int) -> Optional[dict]:
+        """The study's parameters of a valid point not yet evaluated next to the best fitting one (one
+        swept key one step along its numeric order, or another of its categories); None: none left."""
+        fitting = [r for r in rows if r.status == "ok" and r.max_peak_bytes <= capacity]
+        if not fitting:
+            return None
+        best = max(fitting, key=lambda r: r.tokens_per_s_per_gpu)
+        current = {o.partition("=")[0]: o for o in best.overrides}
+        params = {a.key: _param(a, current[a.key]) for a in axes}
+        for axis in axes:
+            options = list(axis.values)
+            here = options.index(current[axis.key])
+            if _ordered(axis) is not None:
+                order = _ordered(axis)
+                at = order.index(here)
+                steps = [order[i] for i in (at + 1, at - 1) if 0 <= i < len(order)]
+            else:
+                steps = [i for i in range(len(options)) if i != here]
+            for step in steps:
+                overrides = [options[step] if o == current[axis.key] else o for o in best.overrides]
+                pid = point_id(overrides, self.settings.script)
+                if pid not in taken and self._validate(pid, overrides) is None:
+                    return {**params, axis.key: _param(axis, options[step])}
+        return None
+
     @staticmethod
     def _tell(study, trial, row: PointResult, capacity: int) -> None:
         import optuna
@@ -258,18 +291,33 @@ class SweepDriver(Sweeper):
                 study.tell(trial, row.tokens_per_s_per_gpu)
             return
         trial.set_constraint("peak_over_capacity_bytes", over)  # feasible at <= 0
-        study.tell(trial, row.tokens_per_s_per_gpu)
+        # and a point that does not fit scores nothing: its throughput would draw the sampler to it
+        study.tell(trial, row.tokens_per_s_per_gpu if over <= 0 else 0.0)
+
+
+def _ordered(axis) -> Optional[list[int]]:
+    """The indices of `axis`'s values in numeric order; None where a value is not a number."""
+    values = [v.partition("=")[2] for v in axis.values]
+    try:
+        return sorted(range(len(values)), key=lambda i: float(values[i]))
+    except ValueError:
+        return None
 
 
 def _suggest(trial, axis) -> str:
     """The trial's value of `axis` (an override string): an index in numeric order where every value
     is a number (tp, pp, batch sizes: the sampler then sees their order), else a category."""
-    values = [v.partition("=")[2] for v in axis.values]
-    try:
-        ordered = sorted(range(len(values)), key=lambda i: float(values[i]))
-    except ValueError:
+    ordered = _ordered(axis)
+    if ordered is None:
         return trial.suggest_categorical(axis.key, list(axis.values))
-    return axis.values[ordered[trial.suggest_int(axis.key, 0, len(values) - 1)]]
+    return axis.values[ordered[trial.suggest_int(axis.key, 0, len(axis.values) - 1)]]
+
+
+def _param(axis, override: str):
+    """The study's parameter for `override`, a value of `axis` (the inverse of `_suggest`)."""
+    ordered = _ordered(axis)
+    here = list(axis.values).index(override)
+    return override if ordered is None else ordered.index(here)
 
 
 def _hydra_safe(override: str) -> str:
