@@ -6,19 +6,21 @@ Before any job starts, every point of the grid is validated (`evaluate.point_con
 does not divide (heads % tp, layers % (pp * vpp), experts % ep, the batch by micro-batch x DP) is
 recorded as `invalid: REASON` and never captured. A point whose row (`points/<id>/row.json`, written
 by its job as it ends) is already there is not run again: a sweep killed at any point and run again
-reruns only the points that had not finished (and those that failed: a failure may be the node's). The table (results.py) is rewritten from the rows after
-every launched batch (`batch` points: the launcher's n_jobs for joblib, else all of them at once).
+reruns only the points that had not finished (and those that failed: a failure may be the node's).
+The table (results.py) is rewritten from the rows after every launched batch (`batch` points: the
+launcher's n_jobs for joblib, else all of them at once).
 
 search=optuna: an Optuna study (multivariate TPE, `seed`) over the swept keys' values (a numeric key
 as the index of its value in numeric order, so the sampler sees the order; others as categories),
 maximizing tokens/s/GPU, the predicted peak memory at most the GPU's capacity as its constraint
 (`Trial.set_constraint`; a point over it is told 0 tokens/s, else TPE is drawn to the fast layouts
-that do not fit); a proposal that is an invalid layout is told pruned at once (no capture,
-not a trial), one already evaluated is told its row again. The last quarter of the trials polish:
-each is a neighbour of the best fitting point so far (one key one step along its numeric order, or
-another category), enqueued to the study, while one is left. `n_trials` points are evaluated at most,
-one at a time (`batch=N`: N at once, at some cost in trials: the sampler learns after each batch). The study lives in `<out>/optuna.db`
-(SQLite), so a rerun continues it; its trials are the table's rows, in trial order.
+that do not fit); a proposal that is an invalid layout is told pruned at once (no capture, not a
+trial), one already evaluated is told its row again. The last quarter of the trials polish: each is
+a neighbour of the best fitting point so far (one key one step along its numeric order, or another
+category), enqueued to the study, while one is left. `n_trials` points are evaluated at most, one at
+a time (`batch=N`: N at once, at some cost in trials: the sampler learns after each batch). The
+study lives in `<out>/optuna.db` (SQLite), so a rerun continues it; its trials are the table's rows,
+in trial order.
 """
 
 from __future__ import annotations
