@@ -424,6 +424,12 @@ def _cases() -> list[tuple[str, list[str]]]:
     add("sweep-range-x", "sweep", *WORLD8, "parallel.tp=range(x)", "--out", "{out}")
     add("sweep-unknown-key", "sweep", *WORLD8, "parallel.tpp=1,2", "--out", "{out}")
     add("sweep-only-bad-points", "sweep", *WORLD8, "parallel.tp=0,-1", "--out", "{out}")
+    add("sweep-glob-not-a-group", "sweep", *WORLD8, "parallel.tp=glob(*)", "--out", "{out}")
+    add("sweep-glob-no-preset", "sweep", *WORLD8, "model=glob(zzz*)", "--out", "{out}")
+    add("sweep-launcher-unknown", "sweep", *WORLD8, "parallel.tp=1,2", "hydra/launcher=nope", "--out", "{out}")
+    add("sweep-search-unknown", "sweep", *WORLD8, "parallel.tp=1,2", "hydra.sweeper.search=bayes", "--out",
+        "{out}")
+    add("sweep-trials-zero", "sweep", *WORLD8, "parallel.tp=1,2", "hydra.sweeper.n_trials=0", "--out", "{out}")
     # simulate: what-ifs, clusters, calibration, outputs
     for o in [*BAD_CLUSTERS, *BAD_CALIBRATIONS, "slowdown.x=1.5", "slowdown.0=abc", "slowdown.0=0",
               "slowdown.0=nan", "slowdown.0=-2", "slowdown.99=1.5", "microbatches=0", "microbatches=abc",
@@ -519,7 +525,7 @@ def _quiet_imports():
         import prism_megatron.emulate.run  # noqa: F401
         import prism_megatron.faults.impact  # noqa: F401
         import prism_megatron.sim.des  # noqa: F401
-        import prism_megatron.sweep.run  # noqa: F401
+        import prism_megatron.sweep.sweeper  # noqa: F401
 
 
 @pytest.fixture
@@ -534,7 +540,7 @@ def tripwires(monkeypatch):
     import prism_megatron.capture.run as capture
     import prism_megatron.commands.calibrate as calibrate
     import prism_megatron.emulate.run as emulate
-    import prism_megatron.sweep.run as sweep
+    import prism_megatron.sweep.sweeper as sweep
 
     monkeypatch.setattr(capture.Capture, "run", trip("a capture"))
     def emulation_run(self):  # its first step, `check` (the graph, sandboxes, faults), writes nothing
@@ -543,7 +549,7 @@ def tripwires(monkeypatch):
 
     monkeypatch.setattr(emulate.Emulation, "run", emulation_run)
     monkeypatch.setattr(emulate, "run_sandboxes", trip("sandboxes"))
-    monkeypatch.setattr(sweep.Sweep, "run", trip("a sweep"))
+    monkeypatch.setattr(sweep.SweepDriver, "sweep", trip("a sweep"))  # Hydra composed, no job
     monkeypatch.setattr(calibrate, "calibrate", trip("a calibration"))
     real_spec = importlib.util.spec_from_file_location
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "prism_megatron")
+SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "prism_megatron", "hydra_plugins")
 """What `pip install .` reads: copied first, so the build writes nothing into the checkout."""
 
 

@@ -148,6 +148,16 @@ def test_a_killed_sweep_leaves_no_slice_and_no_partial_file(tmp_path):
     _kill_and_check(proc, tmp_path / "out")
 
 
+def test_a_killed_two_process_sweep_leaves_no_point_process_and_no_slice(tmp_path):
+    """--jobs 2: each point runs in a joblib (loky) worker process, which dies with the sweep."""
+    sweep = ["emulation.virtual_world_size=4", "parallel.tp=2,4", "parallel.pp=1", "model.num_layers=2",
+             "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
+             "train.global_batch_size=4", "train.micro_batch_size=1", "train.iters=2", "train.device=cpu"]
+    proc, _ = _start([*CLI, "sweep", "-m", *sweep, "--cluster", "cpu_host", "--jobs", "2", "--out",
+                      str(tmp_path / "out")], tmp_path / "log", want=2)
+    _kill_and_check(proc, tmp_path / "out")
+
+
 @pytest.mark.slow
 def test_a_stopped_sandbox_peer_is_an_error_naming_it_within_the_peer_timeout(job, tmp_path):
     _, graph = job

@@ -179,7 +179,7 @@ def test_an_override_rewrites_the_scripts_flag_and_a_sweep_sweeps_it(user_script
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     from prism_megatron.graph import load_graph
 
-    worlds = sorted(load_graph(str(p)).world.tp for p in (tmp_path / "sw" / "points").glob("*/capture/graph.prism"))
+    worlds = sorted(load_graph(str(p)).world.tp for p in (tmp_path / "sw" / "captures").glob("*/graph.prism"))
     assert worlds == [1, 2]
 
 

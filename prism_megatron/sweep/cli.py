@@ -1,4 +1,10 @@
-"""`prism-megatron sweep [-m] [overrides] --out DIR` (see sweep/run.py)."""
+"""`prism-megatron sweep [-m] [overrides] [hydra overrides] --out DIR [-- SCRIPT ARGS]` (app.py).
+
+Everything a sweep reads is checked before any job starts; a mistake is one line and exit 2: a bad
+`--jobs`/`--workers`, an unknown cluster, a broken config file, an override outside Hydra's grammar,
+a sweep none of whose points is a valid config (an unknown key, a layout that cannot divide), a
+launcher or sweeper setting Hydra refuses.
+"""
 
 from __future__ import annotations
 
@@ -9,49 +15,79 @@ from prism_megatron.util import atomic_write_text
 
 
 def sweep_command(args) -> int:
+    import os
+
     from prism_megatron.config.job import config_file as config_file_of
+    from prism_megatron.config.loader import MODEL_PRESETS, check_config_file
     from prism_megatron.sim.cluster import load_cluster
-    from prism_megatron.sweep.run import Sweep, expand, is_oom, ranked, ranking_png, summary_json
+    from prism_megatron.sweep.evaluate import SweepSettings, point_config
+    from prism_megatron.sweep.points import parse_space, split_hydra
+    from prism_megatron.sweep.results import plot_frontier, print_ranking, summary_json
 
     if args.jobs < 1 or (args.workers is not None and args.workers < 1):
         raise ConfigError(f"--jobs {args.jobs} / --workers {args.workers}: expected 1 or more")
-    load_cluster(args.cluster)  # fail fast on a bad cluster name
-    points = expand(list(args.overrides))
-    out = Path(args.out)
+    cluster = load_cluster(args.cluster)  # fail fast on a bad cluster name
     config_file = args.config if args.script else config_file_of(args.config)
-    rows = Sweep(out, [], points, config_file, cluster=args.cluster, jobs=args.jobs,
-                 workers=args.workers, script=args.script).run()
-    best = ranked(rows)
-    skipped = [r for r in rows if r["status"] != "ok"]
-    swept = _swept_keys(points)
-
-    def shown(row: dict) -> str:  # the swept settings only; results.csv keeps every override
-        return " ".join(o for o in row["overrides"].split() if o.partition("=")[0] in swept)
-
-    print(f"{len(rows)} points: {len(best)} simulated, {len(skipped)} skipped or failed "
-          f"(results: {out / 'results.csv'})")
-    print(f"{'rank':>5}{'tokens/s/GPU':>14}{'MFU %':>8}{'iteration ms':>14}{'peak MiB':>10}{'OOM':>5}"
-          "  overrides")
-    for i, r in enumerate(best, start=1):
-        oom = is_oom(r)
-        print(f"{i:>5}{float(r['tokens_per_s_per_gpu']):>14.1f}{float(r['mfu']) * 100:>8.2f}"
-              f"{float(r['iteration_time_s']) * 1e3:>14.2f}{int(float(r['max_peak_bytes'])) / 2**20:>10.2f}"
-              f"{'yes' if oom else 'no':>5}  {shown(r)}")
-    for r in skipped:
-        print(f"  skipped: {shown(r)}: {r['status']}")
-    if best:
-        print(f"best: {best[0]['overrides']}")
-        ranking_png(out / "ranking.png", best)
-    atomic_write_text(str(out / "summary.json"), summary_json(rows))
+    if config_file:  # every point reads it: a broken file is one error, not one skipped point each
+        check_config_file(config_file)
+    mine, hydra = split_hydra(list(args.overrides))
+    space = parse_space(mine, sorted(MODEL_PRESETS))
+    settings = SweepSettings(out=str(args.out), cluster=args.cluster, config_file=config_file,
+                             script=args.script, workers=args.workers, cwd=os.getcwd())
+    if not args.script:  # a point that does not validate is skipped; a sweep of only those is a typo
+        errors = []
+        for point in space.points():
+            try:
+                point_config(settings, point)
+                break
+            except ConfigError as err:
+                errors.append(err)
+        else:
+            raise ConfigError(f"none of the sweep's {len(errors)} point(s) is a valid config; the first: "
+                              f"{errors[0]}")
+    table = _run(settings, mine, _with_jobs(hydra, args.jobs))
+    out = Path(args.out)
+    print_ranking(table, out)
+    if table.ranked():
+        plot_frontier(out / "frontier.png", table.rows, cluster.gpu_memory_bytes)
+    atomic_write_text(str(out / "summary.json"), summary_json(table))
     if args.json:
-        atomic_write_text(args.json, summary_json(rows))
+        atomic_write_text(args.json, summary_json(table))
     return 0
 
 
-def _swept_keys(points: list[list[str]]) -> set[str]:
-    values: dict[str, set[str]] = {}
-    for p in points:
-        for o in p:
-            key, _, value = o.partition("=")
-            values.setdefault(key, set()).add(value)
-    return {k for k, v in values.items() if len(v) > 1}
+def _with_jobs(hydra: list[str], jobs: int) -> list[str]:
+    """`--jobs N`: the joblib launcher's n_jobs (points at once, each its own process when N > 1)."""
+    launcher = [o.partition("=")[2] for o in hydra if o.lstrip("+").startswith("hydra/launcher=")]
+    if (not launcher or launcher[-1] == "joblib") and not any(o.startswith("hydra.launcher.n_jobs=")
+                                                               for o in hydra):
+        return [*hydra, f"hydra.launcher.n_jobs={jobs}"]
+    return hydra
+
+
+def _run(settings, mine: list[str], hydra: list[str]):
+    """The Hydra multirun; what Hydra refuses (a launcher it does not know, a setting of the wrong
+    type) as one ConfigError line."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from prism_megatron.sweep.app import multirun
+
+    try:
+        return multirun(settings, [*mine, *hydra])
+    except (HydraException, OmegaConfBaseException) as err:
+        if isinstance(err.__cause__, ConfigError):  # the sweeper's own settings
+            raise err.__cause__ from None
+        text = str(err) + (f"\n{err.__cause__}" if err.__cause__ else "")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if any(line.startswith("Available options") for line in lines):
+            at = next(i for i, line in enumerate(lines) if line.startswith("Available options"))
+            options = [o for o in lines[at + 1:] if not o.endswith(":") and "=" not in o]
+            options = options[:options.index("Config search path:")] if "Config search path:" in options else options
+            reason = f"{lines[0]}; the options: {', '.join(options)}"
+            if "hydra/launcher/" in lines[0]:
+                reason += " (another launcher needs its Hydra plugin: pip install hydra-ray-launcher for ray)"
+        else:
+            reason = "; ".join(lines[:2]) or type(err).__name__
+        given = " ".join(o for o in hydra if not o.startswith("hydra.launcher.n_jobs=")) or "the sweep"
+        raise ConfigError(f"sweep: Hydra refused {given}: {reason}") from None
