@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from prism_megatron.commands import add_config_arguments
 from prism_megatron.config import ConfigError
 from prism_megatron.config.job import job_of
 
 
 def add_arguments(cmd) -> None:
-    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                     help="config overrides, e.g. model=tiny_moe parallel.tp=2")
-    cmd.add_argument("--config", default=None, help="YAML config file (default: configs/default.yaml)")
+    add_config_arguments(cmd)
     cmd.add_argument("--out", required=True, help="directory for the slices and graph.prism")
     cmd.add_argument("--json", default=None, help="write the capture summary JSON here")
     cmd.add_argument("--workers", type=int, default=None,

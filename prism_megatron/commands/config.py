@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from prism_megatron.commands import add_config_arguments
 from prism_megatron.config import to_yaml
 from prism_megatron.config.flags import _SECTIONS, field_docs
 from prism_megatron.config.job import config_file as _config_file
 
 
 def add_arguments(cmd) -> None:
-    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                     help="config overrides, e.g. model=tiny_moe parallel.tp=2")
-    cmd.add_argument("--config", default=None, help="YAML config file (default: configs/default.yaml)")
+    add_config_arguments(cmd)
     cmd.add_argument("--keys", action="store_true", help="list every key with its doc")
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from prism_megatron.commands import add_config_arguments
 from prism_megatron.config.schema import PrismConfig
 from prism_megatron.moe.imbalance import Imbalance
 from prism_megatron.world import VirtualWorld
@@ -153,11 +154,8 @@ def report(world: VirtualWorld, loads: np.ndarray, peaks: np.ndarray, fits: dict
 
 
 def add_arguments(cmd) -> None:
-    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                     help="config overrides, e.g. model=tiny_moe moe.imbalance=zipf(1.2); "
-                          "cluster=NAME")
-    cmd.add_argument("--config", default=None,
-                     help="YAML config file (default: configs/default.yaml)")
+    add_config_arguments(cmd, "config overrides, e.g. model=tiny_moe moe.imbalance=zipf(1.2); "
+                              "cluster=NAME")
     cmd.add_argument("--out", required=True, help="directory for the calibration sandboxes")
     cmd.add_argument("--capacity", default=None,
                      help="device memory per GPU, e.g. 80GiB (default: the cluster's GPU memory)")

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
+from prism_megatron.commands import add_config_arguments
+
 
 def add_arguments(cmd) -> None:
-    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                     help="Hydra multirun overrides: parallel.tp=2,4,8 parallel.pp=range(1,5) ...; and "
-                          "Hydra's own: hydra/launcher=submitit_slurm hydra.sweeper.search=optuna")
+    add_config_arguments(cmd, "Hydra multirun overrides: parallel.tp=2,4,8 parallel.pp=range(1,5) ...; "
+                              "and Hydra's own: hydra/launcher=submitit_slurm hydra.sweeper.search=optuna")
     cmd.add_argument("-m", "--multirun", action="store_true", help="accepted for Hydra habit")
-    cmd.add_argument("--config", default=None,
-                     help="YAML config file (default: configs/default.yaml)")
     cmd.add_argument("--out", required=True, help="directory for results.csv and the points")
     cmd.add_argument("--cluster", default="dgx_h100", help="cluster the points are simulated on")
     cmd.add_argument("--jobs", type=int, default=1, help="points at once (the joblib launcher's n_jobs)")

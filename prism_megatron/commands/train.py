@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import Optional
 
 from prism_megatron import resources
+from prism_megatron.commands import add_config_arguments
 from prism_megatron.config import ConfigError, load_config, to_yaml
 from prism_megatron.config.job import config_file as _config_file
 
 
 def add_arguments(cmd) -> None:
-    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                     help="config overrides, e.g. model=tiny_moe parallel.tp=2")
-    cmd.add_argument("--config", default=None, help="YAML config file (default: configs/default.yaml)")
+    add_config_arguments(cmd)
     cmd.add_argument("--json", default=None, help="write the run summary JSON here (default: "
                      "runs/train-<config>-<hash>/summary.json)")
 

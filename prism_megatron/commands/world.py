@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 
+from prism_megatron.commands import add_config_arguments
 from prism_megatron.config import ConfigError, load_config
 from prism_megatron.config.job import config_file as _config_file
 from prism_megatron.util import atomic_write_text
 
 
 def add_arguments(cmd) -> None:
-    cmd.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                     help="config overrides, e.g. model=tiny_moe parallel.tp=2")
-    cmd.add_argument("--config", default=None, help="YAML config file (default: configs/default.yaml)")
+    add_config_arguments(cmd)
     cmd.add_argument("--rank", type=int, default=None, help="virtual rank (default: sandbox)")
     cmd.add_argument("--json", default=None, help="write the description as JSON here")
 
