@@ -1,5 +1,5 @@
-"""A sweep's points: Hydra's multirun grammar expanded, each point's id, and the layout check that
-prunes a point before any capture.
+"""A sweep's points: Hydra's multirun grammar expanded, and each point's id. (The layout check that
+prunes a point before any capture is the config's own validation: sweep/evaluate.py `point_config`.)
 
 `expand` reads the overrides with Hydra's own parser: `parallel.tp=2,4,8`, `parallel.pp=range(1,5)`,
 `model=choice(tiny,tiny_moe)`, `model=glob(llama*)` (the model presets are the config group),
