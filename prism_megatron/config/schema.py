@@ -455,6 +455,15 @@ class PrismConfig:
                 f"train.global_batch_size({t.global_batch_size}) is not divisible by "
                 f"train.micro_batch_size({t.micro_batch_size}) * dp({world.dp}) = "
                 f"{t.micro_batch_size * world.dp}; raise the global batch size")
+        microbatches = t.global_batch_size // (t.micro_batch_size * world.dp)
+        # megatron's interleaved 1F1B runs micro-batches in groups of PP per virtual stage and
+        # refuses a last group of 1..PP-1 (schedules.forward_backward_pipelining_with_interleaving)
+        if p.vpp and (microbatches < p.pp or 0 < microbatches % p.pp < p.pp):
+            fit = -(-microbatches // p.pp) * p.pp * t.micro_batch_size * world.dp
+            raise ConfigError(
+                f"parallel.vpp={p.vpp} runs {microbatches} micro-batches per pipeline, but megatron's "
+                f"interleaved schedule needs a multiple of parallel.pp({p.pp}); set "
+                f"train.global_batch_size={fit} (or unset vpp)")
 
 
 MEGATRON_ONLY = tuple(("model", name) for name in (
