@@ -28,7 +28,8 @@ from dataclasses import replace
 import numpy as np
 import yaml
 
-from prism_megatron.graph.model import MOE_COLUMNS, SPAN_COLUMNS, ExecutionGraph, NodeKind, RoleGraph
+from prism_megatron.graph.model import MOE_COLUMNS, SPAN_COLUMNS, ExecutionGraph, RoleGraph
+from prism_megatron.graph.rewrite import node_signatures, renumbered_seq
 
 
 class RescheduleError(ValueError):
@@ -101,7 +102,7 @@ def _rewrite(graph: ExecutionGraph, g: RoleGraph, k: int) -> RoleGraph:
     u0, u1 = forwards[w + 1], forwards[w + 2]  # the template: the second steady unit
     length = u1 - u0
     n = g.num_nodes
-    sig = _signatures(g)
+    sig = node_signatures(g)
     if k > 0:
         seq = np.concatenate([np.arange(0, u1), np.tile(np.arange(u0, u1), k), np.arange(u1, n)])
         shifted_from = u1
@@ -130,7 +131,7 @@ def _rewrite(graph: ExecutionGraph, g: RoleGraph, k: int) -> RoleGraph:
     unit_s = float(g.columns["start_s"][u1] - g.columns["start_s"][u0])
     columns = {name: col[seq].copy() for name, col in g.columns.items()}
     columns["start_s"] = columns["start_s"] + units * unit_s
-    columns["seq"] = _renumber(g, seq)
+    columns["seq"] = renumbered_seq(g, seq)
     forward = next(int(spans["name"][i]) for i, c in zip(order, kinds) if c == "F")
     spans_new, moe_new = _spans_and_moe(g, seq, units * unit_s, forward)
     memory = _memory(g, float(g.columns["start_s"][u0]), float(g.columns["start_s"][u1]), k)
@@ -165,40 +166,6 @@ def _memory(g: RoleGraph, t0: float, t1: float, k: int) -> dict:
     return {"mem_t_s": mem_t, "mem_bytes": mem_b, "peak_bytes": g.peak_bytes + delta,
             "peak_reserved_bytes": g.peak_reserved_bytes + max(delta, 0) if g.memory_source != "tracker"
             else g.peak_reserved_bytes + delta, "peak_by_category": by_category}
-
-
-def _signatures(g: RoleGraph) -> list[tuple]:
-    c = g.columns
-    return list(zip(c["kind"].tolist(), c["name"].tolist(), c["op"].tolist(), c["dim"].tolist(),
-                    c["nbytes"].tolist(), c["stream"].tolist(), c["peer_delta"].tolist()))
-
-
-def _renumber(g: RoleGraph, seq_map: np.ndarray) -> np.ndarray:
-    """Sequence numbers in the new program order, per group. The graph does not name the group an
-    op was counted on, so groups are recovered from the captured numbers: an op continues the group of
-    its dim whose last number is one less than its own (a dim's p2p and collectives may be counted on
-    separate groups)."""
-    c = g.columns
-    counter = np.full(g.num_nodes, -1, dtype=np.int64)
-    last: list[tuple[int, int]] = []  # per counter: (dim, last number)
-    first: list[int] = []
-    for i in np.nonzero(c["kind"] == NodeKind.COMM)[0].tolist():
-        dim, value = int(c["dim"][i]), int(c["seq"][i])
-        k = next((j for j, (d, v) in enumerate(last) if d == dim and v == value - 1), None)
-        if k is None:
-            k = len(last)
-            last.append((dim, value))
-            first.append(value)
-        last[k] = (dim, value)
-        counter[i] = k
-    seq = c["seq"][seq_map].copy()
-    count = [0] * len(first)
-    for x, o in enumerate(seq_map.tolist()):
-        k = int(counter[o])
-        if k >= 0:
-            seq[x] = first[k] + count[k]
-            count[k] += 1
-    return seq
 
 
 def _spans_and_moe(g: RoleGraph, seq: np.ndarray, shift_s: np.ndarray, forward: int) -> tuple[dict, dict]:
