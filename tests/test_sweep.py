@@ -306,3 +306,34 @@ def test_the_search_evaluates_at_most_n_trials_valid_points_and_resumes(tmp_path
     again.config, again.launcher = config, _Objective(tmp_path)
     assert [r.point for r in again.sweep(space).rows] == [r.point for r in table.rows]
     assert again.launcher.launched == []
+
+
+def test_a_search_replayed_on_a_measured_grid_is_the_search_itself_with_no_job(tmp_path):
+    from omegaconf import OmegaConf
+
+    from prism_megatron.sweep.evaluate import read_row
+    from prism_megatron.sweep.replay import ReplayError, grid_best, replay_search, trials_to_best
+    from prism_megatron.sweep.sweeper import SweepDriver
+
+    space = ["emulation.virtual_world_size=256", "parallel.tp=1,2,4,8", "parallel.pp=1,2", *TINY,
+             "train.global_batch_size=1024,2048,3072,4096"]
+
+    def driver(out: Path, **search) -> SweepDriver:
+        made = SweepDriver(**search)
+        made.config = OmegaConf.create({"sweep": {"out": str(out), "cluster": "cpu_host"}, "hydra": {"launcher": {}}})
+        made.launcher = _Objective(out)
+        return made
+
+    grid = tmp_path / "grid"  # the measured grid: every point scored by _Objective
+    rows = [read_row(grid, r.point) for r in driver(grid).sweep(space).rows if r.status == "ok"]
+    direct = driver(tmp_path / "search", search="optuna", n_trials=12, seed=3).sweep(space)
+    replayed = replay_search(grid, tmp_path / "replay", space, "cpu_host", seed=3)
+    assert [r.point for r in replayed.rows] == [r.point for r in direct.rows]  # the same trials, in order
+    best = grid_best(rows, 24 * 2**30)
+    assert dict(o.split("=", 1) for o in best.overrides)["parallel.pp"] == "2"  # tp=1, pp=1 does not fit
+    reached = trials_to_best(replayed, best)
+    assert reached == (None if best.point not in [r.point for r in replayed.rows] else
+                       [r.point for r in replayed.rows].index(best.point) + 1)
+    with pytest.raises(ReplayError, match="no row"):  # a point outside the grid is not made up
+        replay_search(grid, tmp_path / "wider", [*space[:-1], "train.global_batch_size=1024,8192"],
+                      "cpu_host", seed=0)
