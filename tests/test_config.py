@@ -121,6 +121,8 @@ def test_shipped_configs_load():
     (["emulation.clock=realtime"], ["delay_plan", "trace.path"]),
     (["train.global_batch_size=3", "train.micro_batch_size=2"],
      ["global_batch_size(3)", "micro_batch_size(2)"]),
+    (["emulation.virtual_world_size=64", "parallel.pp=4", "parallel.vpp=2", "model.num_layers=8",
+      "train.global_batch_size=32"], ["1 micro-batches per pipeline", "parallel.pp(4)", "train.global_batch_size=128"]),
     (["train.device=tpu"], ["tpu", "cpu, cuda"]),
     (["train.iters=0"], ["train.iters"]),
     (["trace.granularity=op"], ["op", "module, aten"]),

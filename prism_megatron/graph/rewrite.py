@@ -45,3 +45,9 @@ def renumbered_seq(g: RoleGraph, seq_map: np.ndarray) -> np.ndarray:
             seq[x] = first[k] + count[k]
             count[k] += 1
     return seq
+
+
+def level_at(g: RoleGraph, at_s: float) -> int:
+    """Allocated bytes of `g`'s memory timeline at time `at_s` (its first sample before it starts)."""
+    i = int(np.searchsorted(g.mem_t_s, at_s, side="right")) - 1
+    return int(g.mem_bytes[max(i, 0)])

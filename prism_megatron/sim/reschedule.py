@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from prism_megatron.graph.model import MOE_COLUMNS, SPAN_COLUMNS, ExecutionGraph, RoleGraph
-from prism_megatron.graph.rewrite import node_signatures, renumbered_seq
+from prism_megatron.graph.rewrite import level_at, node_signatures, renumbered_seq
 
 
 class RescheduleError(ValueError):
@@ -146,9 +146,10 @@ def _memory(g: RoleGraph, t0: float, t1: float, k: int) -> dict:
     t, b = g.mem_t_s, g.mem_bytes
     if len(t) == 0:
         return {}
+
     def level(at: float) -> int:
-        i = int(np.searchsorted(t, at, side="right")) - 1
-        return int(b[i]) if i >= 0 else int(b[0])
+        return level_at(g, at)
+
     unit_s, residue = t1 - t0, level(t1) - level(t0)
     before, unit, after = t < t0, (t >= t0) & (t < t1), t >= t1
     if k > 0:
