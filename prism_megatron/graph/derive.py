@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from prism_megatron.graph.model import SPAN_COLUMNS, RoleGraph
-from prism_megatron.graph.rewrite import level_at, node_signatures, renumbered_seq
+from prism_megatron.graph.rewrite import level_at, node_signatures, renumbered_seq, rewritten_memory
 
 
 class DeriveError(ValueError):
@@ -259,7 +259,6 @@ def _memory(g: RoleGraph, pieces, piece_t0, cursor) -> dict:
 
     def level(at: float) -> int:
         return level_at(g, at)
-
     bounds = sorted({p for p in piece_t0 if p is not None})
     out_t, out_b = [t[t < bounds[0]]], [b[t < bounds[0]]]
     running = level(bounds[0]) if len(out_b[0]) else int(b[0])
@@ -274,9 +273,4 @@ def _memory(g: RoleGraph, pieces, piece_t0, cursor) -> dict:
         out_b.append(b[inside] - base + running)
         running += level(t1) - base if i + 1 < len(pieces) else 0
     mem_t, mem_b = np.concatenate(out_t), np.concatenate(out_b).astype("i8")
-    delta = int(mem_b.max()) - int(b.max())
-    by_category = dict(g.peak_by_category)
-    if delta and "activations" in by_category:
-        by_category["activations"] += delta
-    return {"mem_t_s": mem_t, "mem_bytes": mem_b, "peak_bytes": g.peak_bytes + delta,
-            "peak_reserved_bytes": g.peak_reserved_bytes + delta, "peak_by_category": by_category}
+    return rewritten_memory(g, mem_t, mem_b)

@@ -51,3 +51,17 @@ def level_at(g: RoleGraph, at_s: float) -> int:
     """Allocated bytes of `g`'s memory timeline at time `at_s` (its first sample before it starts)."""
     i = int(np.searchsorted(g.mem_t_s, at_s, side="right")) - 1
     return int(g.mem_bytes[max(i, 0)])
+
+
+def rewritten_memory(g: RoleGraph, mem_t_s: np.ndarray, mem_bytes: np.ndarray) -> dict:
+    """RoleGraph fields for `g` with a rewritten allocated-bytes timeline: the peak (and its
+    activations, and the reserved peak) moved by the timeline maximum's change. On a CUDA allocator
+    (real or modelled) reserved memory is kept once grown, so it only moves up."""
+    mem_bytes = np.asarray(mem_bytes, dtype="i8")
+    delta = int(mem_bytes.max()) - int(g.mem_bytes.max())
+    by_category = dict(g.peak_by_category)
+    if delta and "activations" in by_category:
+        by_category["activations"] += delta
+    reserved = delta if g.memory_source == "tracker" else max(delta, 0)
+    return {"mem_t_s": mem_t_s, "mem_bytes": mem_bytes, "peak_bytes": g.peak_bytes + delta,
+            "peak_reserved_bytes": g.peak_reserved_bytes + reserved, "peak_by_category": by_category}

@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from prism_megatron.graph.model import MOE_COLUMNS, SPAN_COLUMNS, ExecutionGraph, RoleGraph
-from prism_megatron.graph.rewrite import level_at, node_signatures, renumbered_seq
+from prism_megatron.graph.rewrite import level_at, node_signatures, renumbered_seq, rewritten_memory
 
 
 class RescheduleError(ValueError):
@@ -149,7 +149,6 @@ def _memory(g: RoleGraph, t0: float, t1: float, k: int) -> dict:
 
     def level(at: float) -> int:
         return level_at(g, at)
-
     unit_s, residue = t1 - t0, level(t1) - level(t0)
     before, unit, after = t < t0, (t >= t0) & (t < t1), t >= t1
     if k > 0:
@@ -160,13 +159,7 @@ def _memory(g: RoleGraph, t0: float, t1: float, k: int) -> dict:
         keep_after = t >= t0 - k * unit_s
         parts_t, parts_b = [t[before], t[keep_after] + k * unit_s], [b[before], b[keep_after] + k * residue]
     mem_t, mem_b = np.concatenate(parts_t), np.concatenate(parts_b).astype("i8")
-    delta = int(mem_b.max()) - int(b.max())
-    by_category = dict(g.peak_by_category)
-    if delta and "activations" in by_category:
-        by_category["activations"] += delta
-    return {"mem_t_s": mem_t, "mem_bytes": mem_b, "peak_bytes": g.peak_bytes + delta,
-            "peak_reserved_bytes": g.peak_reserved_bytes + max(delta, 0) if g.memory_source != "tracker"
-            else g.peak_reserved_bytes + delta, "peak_by_category": by_category}
+    return rewritten_memory(g, mem_t, mem_b)
 
 
 def _spans_and_moe(g: RoleGraph, seq: np.ndarray, shift_s: np.ndarray, forward: int) -> tuple[dict, dict]:
