@@ -1,7 +1,8 @@
 """`prism-megatron capture`: run each role as a slice, verify symmetries, merge the full-scale graph.
 
 A slice is the training job as one sandbox rank of the virtual world with the recorder on (one
-fresh process each, so device memory starts clean; `workers` at once, one GPU each where GPUs exist).
+fresh process each, so device memory starts clean; `workers` at once, one GPU each where GPUs exist),
+run by an executor (executors.py: local processes, submitit's SLURM or local executor, Ray).
 Slices land in `<out>/slices/rank<R>.prism` and are kept: a rerun with the same config reuses every
 slice that loads, and runs only what is missing. A slice that fails is retried once, then reported
 (its log is kept next to it) and the capture fails without writing a graph.
@@ -30,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
-from prism_megatron import procs
+from prism_megatron.capture.executors import ExecutorSpec, SliceJob, open_executor
 from prism_megatron.capture.plan import RoleClass, plan_classes
 from prism_megatron.config.job import TrainingJob
 from prism_megatron.config.loader import to_yaml
@@ -127,18 +128,22 @@ class Capture:
     """One capture of `cfg` into `out_dir` (see the module docstring)."""
 
     def __init__(self, cfg: PrismConfig, out_dir: str, *, workers: Optional[int] = None,
-                 device: Optional[str] = None, timeout_s: float = 1800.0,
+                 device: Optional[str] = None, executor: ExecutorSpec = ExecutorSpec(), timeout_s: float = 1800.0,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> None:
         """Every slice runs the config's job (`train.script`, else the built-in example of
-        `train.framework`; config/job.py) under `prism-megatron launch`."""
+        `train.framework`; config/job.py) under `prism-megatron launch`, on `executor`
+        (executors.py); `workers` at once (default: local, the GPUs present, else 2; another
+        executor, all of them)."""
         self.cfg, self.out = cfg, Path(out_dir)
         self.job = TrainingJob.of(cfg.train)
         self.world = world_of(cfg)
         self.microbatches = microbatches_of(cfg, self.world)
         self.device = device or cfg.train.device
-        gpus = _gpu_count() if self.device in ("cuda", "auto") else 0
+        self.executor = executor
+        gpus = _gpu_count() if self.device in ("cuda", "auto") and executor.kind == "local" else 0
         self.gpus = gpus
-        self.workers = workers or (gpus if gpus else max(1, min(2, os.cpu_count() or 1)))
+        self.workers = workers or (None if executor.kind != "local" else
+                                   gpus if gpus else max(1, min(2, os.cpu_count() or 1)))
         self.timeout_s, self.log = timeout_s, log
         job = copy.deepcopy(cfg)  # what every slice runs: only its rank and trace path differ
         job.emulation.sandbox_ranks, job.trace.path, job.train.device = [], None, self.device
@@ -190,17 +195,19 @@ class Capture:
                                  "--prism-trace-path", str(s.path.resolve()),
                                  "--prism-trace-selection", "node-median"])
 
-    def _env(self, slot: int) -> dict:
-        env = self.job.env(job_env(cpu=not self.gpus))
-        if self.gpus:
+    def _env(self, slot: int, remote: bool) -> dict:
+        env = self.job.env(job_env(cpu=self.device == "cpu" if remote else not self.gpus))
+        if self.gpus and not remote:  # a remote job's GPUs are its scheduler's to give
             env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
         return env
 
     def _run_all(self, slices: list[Slice], progress: _Progress) -> None:
-        """Run `slices` `workers` at a time; retry a failure once; raise after a second one."""
+        """Run `slices` `workers` at a time on the executor; retry a failure once; raise after a second one."""
         queue = [s for s in slices]
-        running: dict[int, tuple[subprocess.Popen, Slice, float, object]] = {}
-        free = list(range(self.workers))
+        running: dict[int, tuple[SliceJob, Slice, float]] = {}
+        slots = self.workers or len(queue)
+        free = list(range(slots))
+        executor = open_executor(self.executor, self.out / "jobs", gpus_per_slice=1 if self.device == "cuda" else 0)
         try:
             while queue or running:
                 while queue and free:
@@ -208,19 +215,18 @@ class Capture:
                     s.attempts += 1
                     if s.path.exists():
                         s.path.unlink()
-                    logf = open(s.path.with_suffix(".log"), "w")
-                    proc = procs.popen(self._command(s), stdout=logf, stderr=subprocess.STDOUT,
-                                       env=self._env(slot), cwd=str(self.job.workdir))
-                    running[slot] = (proc, s, time.perf_counter(), logf)
+                    job = executor.start(self._command(s), self._env(slot, executor.remote),
+                                         str(self.job.workdir), s.path.with_suffix(".log"), slot)
+                    running[slot] = (job, s, time.perf_counter())
                 time.sleep(0.05)
-                for slot, (proc, s, t0, logf) in list(running.items()):
-                    rc = proc.poll()
-                    if rc is None and time.perf_counter() - t0 > self.timeout_s:
-                        rc = procs.kill(proc)
+                for slot, (job, s, t0) in list(running.items()):
+                    rc = job.poll()
+                    # another executor's job may wait in a queue: its time limit is the scheduler's
+                    if rc is None and not executor.remote and time.perf_counter() - t0 > self.timeout_s:
+                        job.kill()
+                        rc = -9
                     if rc is None:
                         continue
-                    procs.wait(proc)  # reaped: off the list of children to kill
-                    logf.close()
                     del running[slot]
                     free.append(slot)
                     s.wall_s += time.perf_counter() - t0
@@ -236,9 +242,9 @@ class Capture:
                             f"slice rank {s.rank} ({s.role}) failed twice (exit {rc}); see "
                             f"{s.path.with_suffix('.log')}")
         finally:
-            for proc, _, _, logf in running.values():
-                procs.kill(proc)
-                logf.close()
+            for job, _, _ in running.values():
+                job.kill()
+            executor.close()
 
     # -- the capture ---------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prism_megatron.commands import add_config_arguments
+from prism_megatron.commands import add_config_arguments, add_executor_arguments, executor_of
 from prism_megatron.config import ConfigError
 from prism_megatron.config.job import job_of
 
@@ -13,6 +13,7 @@ def add_arguments(cmd) -> None:
     cmd.add_argument("--json", default=None, help="write the capture summary JSON here")
     cmd.add_argument("--workers", type=int, default=None,
                      help="slices at once (default: the GPUs present, else 2)")
+    add_executor_arguments(cmd)
     cmd.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                      help="where slices run (default: train.device)")
 
@@ -25,8 +26,9 @@ def run(args) -> int:
     cfg.emulation.sandbox_ranks = []  # the capture chooses the ranks it runs
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: expected 1 or more slices at once")
+    executor = executor_of(args)
     try:
-        result = Capture(cfg, args.out, workers=args.workers, device=args.device).run()
+        result = Capture(cfg, args.out, workers=args.workers, device=args.device, executor=executor).run()
     except GraphFileError as err:  # the merged graph is inconsistent: not the user's input
         raise CaptureFailed(str(err)) from None
     write_summary(result, args.json)

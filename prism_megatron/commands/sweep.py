@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from prism_megatron.commands import add_config_arguments
+from prism_megatron.commands import add_config_arguments, add_executor_arguments
 
 
 def add_arguments(cmd) -> None:
@@ -14,6 +14,7 @@ def add_arguments(cmd) -> None:
     cmd.add_argument("--cluster", default="dgx_h100", help="cluster the points are simulated on")
     cmd.add_argument("--jobs", type=int, default=1, help="points at once (the joblib launcher's n_jobs)")
     cmd.add_argument("--workers", type=int, default=None, help="capture slices at once per point")
+    add_executor_arguments(cmd)
     cmd.add_argument("--json", default=None, help="write the points, ranking and best here too")
 
 

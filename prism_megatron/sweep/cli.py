@@ -17,6 +17,7 @@ from prism_megatron.util import atomic_write_text
 def sweep_command(args) -> int:
     import os
 
+    from prism_megatron.commands import executor_of
     from prism_megatron.config.job import config_file as config_file_of
     from prism_megatron.config.loader import MODEL_PRESETS, check_config_file
     from prism_megatron.sim.cluster import load_cluster
@@ -26,6 +27,7 @@ def sweep_command(args) -> int:
 
     if args.jobs < 1 or (args.workers is not None and args.workers < 1):
         raise ConfigError(f"--jobs {args.jobs} / --workers {args.workers}: expected 1 or more")
+    executor_of(args)  # where the points' captures run their slices: checked before any job
     cluster = load_cluster(args.cluster)  # fail fast on a bad cluster name
     config_file = args.config if args.script else config_file_of(args.config)
     if config_file:  # every point reads it: a broken file is one error, not one skipped point each
@@ -33,7 +35,8 @@ def sweep_command(args) -> int:
     mine, hydra = split_hydra(list(args.overrides))
     space = parse_space(mine, sorted(MODEL_PRESETS))
     settings = SweepSettings(out=str(args.out), cluster=args.cluster, config_file=config_file,
-                             script=args.script, workers=args.workers, cwd=os.getcwd())
+                             script=args.script, workers=args.workers, cwd=os.getcwd(),
+                             executor=args.executor, executor_options=list(args.executor_option))
     if not args.script:  # a point that does not validate is skipped; a sweep of only those is a typo
         errors = []
         for point in space.points():

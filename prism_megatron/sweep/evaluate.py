@@ -39,6 +39,9 @@ class SweepSettings:
     """`SCRIPT ARGS` of the job (config/job.py); None: the built-in example."""
     workers: Optional[int] = None
     """Capture slices at once per point (None: the capture's default)."""
+    executor: str = "local"
+    executor_options: list[str] = field(default_factory=list)
+    """What runs each capture's slices (capture/executors.py), and its KEY=VALUE options."""
     cwd: str = "."
     """Where the script's relative paths are read from (a SLURM job starts elsewhere)."""
     captures: Optional[str] = None
@@ -202,6 +205,7 @@ def capture_plan(cfg: PrismConfig, share: bool) -> CapturePlan:
 
 def _captured(settings: SweepSettings, cfg: PrismConfig) -> str:
     """The graph of `cfg` from the cache, captured first if it is not there (one capture per key)."""
+    from prism_megatron.capture.executors import ExecutorSpec
     from prism_megatron.capture.run import Capture
 
     key = capture_plan(cfg, False).key
@@ -211,5 +215,6 @@ def _captured(settings: SweepSettings, cfg: PrismConfig) -> str:
     with open(settings.cache_dir() / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another point capturing this key: wait for it
         if not graph.exists():
-            Capture(cfg, str(where), workers=settings.workers, log=lambda s: None).run()
+            executor = ExecutorSpec.parse(settings.executor, settings.executor_options)
+            Capture(cfg, str(where), workers=settings.workers, executor=executor, log=lambda s: None).run()
     return str(graph)
