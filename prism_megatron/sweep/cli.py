@@ -17,7 +17,7 @@ from prism_megatron.util import atomic_write_text
 def sweep_command(args) -> int:
     import os
 
-    from prism_megatron.commands import executor_of
+    from prism_megatron.capture.executors import ExecutorSpec, check_executor
     from prism_megatron.config.job import config_file as config_file_of
     from prism_megatron.config.loader import MODEL_PRESETS, check_config_file
     from prism_megatron.sim.cluster import load_cluster
@@ -27,7 +27,8 @@ def sweep_command(args) -> int:
 
     if args.jobs < 1 or (args.workers is not None and args.workers < 1):
         raise ConfigError(f"--jobs {args.jobs} / --workers {args.workers}: expected 1 or more")
-    executor_of(args)  # where the points' captures run their slices: checked before any job
+    # where the points' captures run their slices: checked before any job
+    check_executor(ExecutorSpec.parse(args.executor, list(args.executor_option)))
     cluster = load_cluster(args.cluster)  # fail fast on a bad cluster name
     config_file = args.config if args.script else config_file_of(args.config)
     if config_file:  # every point reads it: a broken file is one error, not one skipped point each

@@ -4,7 +4,8 @@ deterministic, so a replay is what the same search would find on the real sweep,
 sampler alone: what tunes the search (and measures how many trials it needs) over many seeds.
 
 `replay_search` gives the search's table (its trials in order); `trials_to_best` the trial at which a
-search first evaluated the grid's best fitting point (None: it never did).
+search first evaluated the grid's best fitting point, and `captures_to_best` the captures it had run
+by then (its budget's unit), None where it never did.
 
 Known limitations: a point the grid does not hold (outside its axes) fails the replay (ReplayError).
 """
@@ -67,3 +68,9 @@ def trials_to_best(table: Table, best: PointResult) -> Optional[int]:
         if row.point == best.point:
             return i
     return None
+
+
+def captures_to_best(table: Table, best: PointResult) -> Optional[int]:
+    """The number of captures the search had run when it first evaluated `best` (None: never)."""
+    reached = trials_to_best(table, best)
+    return None if reached is None else len({r.capture for r in table.rows[:reached]})
