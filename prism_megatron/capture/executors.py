@@ -187,7 +187,7 @@ class _SubmititJob:
         except Exception as err:  # noqa: BLE001 - submitit lost the job (node failure, timeout): say why
             with open(self.log_path, "a") as log:
                 log.write(f"\nprism: the executor lost this slice's job {self.job.job_id}: "
-                          f"{type(err).__name__}: {str(err).strip().splitlines()[-1:] or ''}\n")
+                          f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1]}\n")
             return LOST
 
     def kill(self) -> None:
