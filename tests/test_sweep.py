@@ -54,6 +54,23 @@ def test_multirun_grammar_expands_to_the_cartesian_product():
                                                                        "sweep.captures=/c"])
 
 
+def test_the_installed_command_finds_the_sweeper_from_any_folder(tmp_path):
+    # `prism-megatron` (the console script) run outside the checkout: Hydra's plugin scan does not
+    # see an editable install's `hydra_plugins`, so the app registers its sweeper itself
+    command = Path(sys.executable).parent / "prism-megatron"
+    if not command.exists():
+        pytest.skip("the console script is not installed beside this interpreter")
+    out = tmp_path / "sweep"
+    run = subprocess.run([str(command), "sweep", "-m", "emulation.virtual_world_size=2", *TINY, "parallel.pp=1",
+                          "parallel.tp=1,8", "train.global_batch_size=2", "--cluster", "cpu_host", "--out", str(out)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={k: v for k, v in ENV.items() if k != "PYTHONPATH"})  # as a user runs it
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["parallel.tp"]: r for r in _csv(out)}  # 4 heads do not split 8 ways: tp=8 invalid
+    assert rows["1"]["status"] == "ok" and float(rows["1"]["tokens_per_s_per_gpu"]) > 0
+    assert rows["8"]["status"].startswith("invalid") and "num_attention_heads(4)" in rows["8"]["status"]
+
+
 def test_a_layout_that_cannot_divide_is_pruned_with_its_reason():
     settings = SweepSettings(out="unused")
     base = ["emulation.virtual_world_size=16", *TINY]
@@ -119,8 +136,10 @@ def _finished(out: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
-                                      ["hydra/launcher=submitit_local", "hydra.sweeper.batch=3"]],
-                         ids=["joblib", "submitit_local"])
+                                      ["hydra/launcher=submitit_local", "hydra.sweeper.batch=3"],
+                                      pytest.param(["hydra/launcher=ray", "hydra.sweeper.batch=3"],
+                                                   marks=pytest.mark.ray)],  # the [ray] extra's local Ray
+                         ids=["joblib", "submitit_local", "ray"])
 def test_a_killed_sweep_reruns_only_unfinished_points(launcher, tmp_path):
     out = tmp_path / "sweep"
     cmd = [*CLI, *SWEEP6, *launcher, "--cluster", "cpu_host", "--out", str(out)]
@@ -158,14 +177,18 @@ def test_a_killed_sweep_reruns_only_unfinished_points(launcher, tmp_path):
     assert read_png_size(str(out / "frontier.png"))[0] > 0
 
 
-# 256 ranks of a tiny model: tp x pp x the number of microbatches (the global batch), 24 points of
-# 6 captures (the cache: the global batch only changes the microbatch count).
-SEARCH = ["emulation.virtual_world_size=256", "parallel.tp=1,2,4", "parallel.pp=1,2", *TINY,
-          "train.global_batch_size=1024,2048,3072,4096"]
+# 256 ranks of a tiny model: tp x pp x micro-batch size x the global batch, 36 points of 18 captures
+# (the cache: the global batch only changes the microbatch count, which the replay rewrites).
+SEARCH = ["emulation.virtual_world_size=256", "parallel.tp=1,2,4", "parallel.pp=1,2,4",
+          *[o for o in TINY if not o.startswith("train.micro_batch_size=")],
+          "train.micro_batch_size=1,2", "train.global_batch_size=2048,4096"]
+SEEDS = 10
 
 
 @pytest.mark.slow
 def test_an_optuna_search_of_12_trials_finds_the_grids_best_point(tmp_path):
+    from prism_megatron.sweep.replay import captures_to_best, replay_search
+
     captures = tmp_path / "captures"
     common = ["--jobs", "2", f"sweep.captures={captures}"]
     t0 = time.time()
@@ -174,40 +197,48 @@ def test_an_optuna_search_of_12_trials_finds_the_grids_best_point(tmp_path):
     assert grid.returncode == 0, grid.stderr[-3000:]
     t1 = time.time()
     rows = _csv(tmp_path / "grid")
-    assert len(rows) == 24 and all(r["status"] == "ok" for r in rows), rows
-    assert len(list(captures.glob("*/graph.prism"))) == 6
-    # a GPU just too small for the fastest layout (its tp and pp, any batch): the constraint decides
+    assert len(rows) == 36 and all(r["status"] == "ok" for r in rows), rows
+    assert len(list(captures.glob("*/graph.prism"))) == 18
+    # a GPU just too small for the fastest layout (its tp, pp and micro-batch, any batch): the
+    # constraint decides
+    layout = ("parallel.tp", "parallel.pp", "train.micro_batch_size")
     fastest = max(rows, key=lambda r: float(r["tokens_per_s_per_gpu"]))
     capacity = min(int(r["max_peak_bytes"]) for r in rows
-                   if (r["parallel.tp"], r["parallel.pp"]) == (fastest["parallel.tp"], fastest["parallel.pp"])) - 1
+                   if all(r[k] == fastest[k] for k in layout)) - 1
     fitting = [r for r in rows if int(r["max_peak_bytes"]) <= capacity]
     assert fitting, "no layout is smaller than the fastest one"
     best = max(fitting, key=lambda r: float(r["tokens_per_s_per_gpu"]))
     cluster = tmp_path / "small.yaml"
     text = (REPO / "prism_megatron" / "configs" / "cluster" / "cpu_host.yaml").read_text()
     cluster.write_text(text.replace("gpu_memory_bytes: 25769803776", f"gpu_memory_bytes: {capacity}"))
-    found_by = []
-    for seed in (0, 1, 2):  # TPE is stochastic: on replays of a measured grid 19 of 20 seeds find it
-        out = tmp_path / f"search{seed}"
-        t2 = time.time()
-        search = subprocess.run([*CLI, *SEARCH, *common, "--cluster", str(cluster), "hydra.sweeper.search=optuna",
-                                 "hydra.sweeper.n_trials=12", f"hydra.sweeper.seed={seed}", "--out", str(out)],
-                                capture_output=True, text=True, env=ENV, cwd=REPO, timeout=1800)
-        assert search.returncode == 0, search.stderr[-3000:]
-        trials = _csv(out)
-        assert 0 < len(trials) <= 12 and len({r["point"] for r in trials}) == len(trials)
-        assert len(list(captures.glob("*/graph.prism"))) == 6  # the search captured nothing new
-        found = max((r for r in trials if r["fits"] == "True"), key=lambda r: float(r["tokens_per_s_per_gpu"]))
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["best"]["point"] == found["point"]  # the search's answer: its best fitting trial
-        reached = [i for i, r in enumerate(trials, start=1) if r["point"] == best["point"]]
-        print(f"seed {seed}: {len(trials)} trials in {time.time() - t2:.0f} s, the grid's best "
-              f"({best['parallel.tp']}, {best['parallel.pp']}, {best['train.global_batch_size']}) at trial {reached}")
-        if found["point"] == best["point"]:
-            assert float(found["tokens_per_s_per_gpu"]) == pytest.approx(float(best["tokens_per_s_per_gpu"]))
-            found_by.append(seed)
-    print(f"grid: 24 points in {t1 - t0:.0f} s; the grid's best found by seeds {found_by}")
-    assert len(found_by) >= 2, f"only seeds {found_by} of 0, 1, 2 found the grid's best point"
+    out = tmp_path / "search"
+    search = subprocess.run([*CLI, *SEARCH, *common, "--cluster", str(cluster), "hydra.sweeper.search=optuna",
+                             "hydra.sweeper.n_trials=12", "hydra.sweeper.seed=0", "--out", str(out)],
+                            capture_output=True, text=True, env=ENV, cwd=REPO, timeout=1800)
+    assert search.returncode == 0, search.stderr[-3000:]
+    t2 = time.time()
+    evaluated = _csv(out)
+    trials = [r for r in evaluated if not r["sibling_of"]]
+    assert 0 < len(trials) <= 12 and len({r["point"] for r in evaluated}) == len(evaluated)
+    assert len({r["capture"] for r in evaluated}) == len(trials)  # one capture per trial, the rest replays
+    assert len(list(captures.glob("*/graph.prism"))) == 18  # the search captured nothing new
+    found = max((r for r in evaluated if r["fits"] == "True"), key=lambda r: float(r["tokens_per_s_per_gpu"]))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best"]["point"] == found["point"] == best["point"]  # the search's answer is the grid's
+    assert float(found["tokens_per_s_per_gpu"]) == pytest.approx(float(best["tokens_per_s_per_gpu"]))
+    reached = {}
+    for seed in range(SEEDS):  # TPE is stochastic: the same search replayed on the grid, seed by seed
+        replayed = replay_search(tmp_path / "grid", tmp_path / f"replay{seed}", SEARCH, str(cluster), seed)
+        if seed == 0:
+            assert [r.point for r in replayed.rows] == [r["point"] for r in evaluated]  # the search itself
+        asked = [r for r, parent in zip(replayed.rows, replayed.sibling_of) if parent is None]
+        assert len(asked) <= 12
+        mine = [r for r in replayed.rows if r.point == best["point"]]
+        reached[seed] = captures_to_best(replayed, mine[0]) if mine else None  # = trials: 1 capture each
+    print(f"grid: 36 points in {t1 - t0:.0f} s; search: {len(trials)} trials, {len(evaluated)} points in "
+          f"{t2 - t1:.0f} s; trials to the grid's best by seed: {reached}")
+    missed = [seed for seed, n in reached.items() if n is None]
+    assert not missed, f"seeds {missed} of {SEEDS} did not find the grid's best point"
 
 
 class _Launcher:
@@ -261,13 +292,14 @@ def test_a_failed_job_is_its_points_row_with_the_reason_and_the_others_finish(tm
 
 
 class _Objective(_Launcher):
-    """A launcher stand-in whose jobs score a point without a capture: throughput grows with the
-    batch and falls with tp and pp; tp=1 with pp=1 does not fit a 24 GiB GPU."""
+    """A launcher stand-in whose jobs score a point without a capture (its row names the capture it
+    would replay): throughput grows with the batch and falls with tp and pp; tp=1 with pp=1 does not
+    fit a 24 GiB GPU."""
 
     def launch(self, job_overrides, initial_job_idx):
         from hydra.core.utils import JobReturn, JobStatus
 
-        from prism_megatron.sweep.evaluate import write_row
+        from prism_megatron.sweep.evaluate import SweepSettings, capture_plan, point_config, write_row
 
         returns = []
         for overrides in job_overrides:
@@ -277,6 +309,7 @@ class _Objective(_Launcher):
             peak = 30 * 2**30 // (tp * pp)
             row = _row(given["sweep.point"], str(tp), gbs / 1024 * 8 / tp * 0.6 ** (pp - 1), peak, peak <= 24 * 2**30)
             row.overrides = [o for o in overrides if not o.startswith("sweep.")]
+            row.capture = capture_plan(point_config(SweepSettings(str(self.out)), row.overrides), True).key
             write_row(self.out, row)
             ret = JobReturn()
             ret.status, ret._return_value = JobStatus.COMPLETED, {}
@@ -289,30 +322,50 @@ def test_the_search_evaluates_at_most_n_trials_valid_points_and_resumes(tmp_path
 
     from prism_megatron.sweep.sweeper import SweepDriver
 
-    config = OmegaConf.create({"sweep": {"out": str(tmp_path), "cluster": "cpu_host"}, "hydra": {"launcher": {}}})
     space = ["emulation.virtual_world_size=256", "parallel.tp=1,2,4,8", "parallel.pp=1,2", *TINY,
              "train.global_batch_size=1024,2048,3072,4096"]  # tp=8: 4 heads do not divide, pruned
-    driver = SweepDriver(search="optuna", n_trials=12, seed=0)
-    driver.config, driver.launcher = config, _Objective(tmp_path)
-    table = driver.sweep(space)
-    launched = [dict(o.split("=", 1) for o in job) for job in driver.launcher.launched]
+
+    def search(out: Path, siblings: bool) -> SweepDriver:
+        made = SweepDriver(search="optuna", n_trials=12, seed=0, siblings=siblings)
+        made.config = OmegaConf.create({"sweep": {"out": str(out), "cluster": "cpu_host"}, "hydra": {"launcher": {}}})
+        made.launcher = _Objective(out)
+        return made
+
+    alone = search(tmp_path / "alone", siblings=False)  # each trial one point
+    table = alone.sweep(space)
+    launched = [dict(o.split("=", 1) for o in job) for job in alone.launcher.launched]
     assert 0 < len(launched) <= 12 and all(j["parallel.tp"] != "8" for j in launched)
     assert len({j["sweep.point"] for j in launched}) == len(launched)  # no point twice
     assert [r.point for r in table.rows] == [j["sweep.point"] for j in launched]  # trial order
+    assert table.sibling_of == [None] * len(table.rows)
+
+    driver = search(tmp_path / "shared", siblings=True)  # each trial its capture's points
+    table = driver.sweep(space)
+    launched = [dict(o.split("=", 1) for o in job) for job in driver.launcher.launched]
+    assert len({j["sweep.point"] for j in launched}) == len(launched) == len(table.rows) == 24
+    assert [r.point for r in table.rows] == [j["sweep.point"] for j in launched]
+    trials = [r for r, parent in zip(table.rows, table.sibling_of) if parent is None]
+    assert len(trials) == 6  # the 6 layouts (tp x pp); each capture's 4 batches: 1 trial, 3 siblings
+    captures = {r.point: r.capture for r in table.rows}
+    assert all(captures[r.point] == captures[p] for r, p in zip(table.rows, table.sibling_of) if p)
+    assert len({r.capture for r in trials}) == 6
     best = dict(o.split("=", 1) for o in table.best().overrides)
     assert (best["parallel.tp"], best["parallel.pp"], best["train.global_batch_size"]) == ("1", "2", "4096")
-    assert (tmp_path / "optuna.db").exists()
-    again = SweepDriver(search="optuna", n_trials=12, seed=0)  # the study continues: 12 are done
-    again.config, again.launcher = config, _Objective(tmp_path)
-    assert [r.point for r in again.sweep(space).rows] == [r.point for r in table.rows]
-    assert again.launcher.launched == []
+    assert (tmp_path / "shared" / "optuna.db").exists()
+    csv_rows = _csv(tmp_path / "shared")
+    assert [r["sibling_of"] for r in csv_rows] == [p or "" for p in table.sibling_of]
+    again = search(tmp_path / "shared", siblings=True)  # the study continues: every point is done
+    resumed = again.sweep(space)
+    assert [r.point for r in resumed.rows] == [r.point for r in table.rows]
+    assert resumed.sibling_of == table.sibling_of and again.launcher.launched == []
 
 
 def test_a_search_replayed_on_a_measured_grid_is_the_search_itself_with_no_job(tmp_path):
     from omegaconf import OmegaConf
 
     from prism_megatron.sweep.evaluate import read_row
-    from prism_megatron.sweep.replay import ReplayError, grid_best, replay_search, trials_to_best
+    from prism_megatron.sweep.replay import (ReplayError, captures_to_best, grid_best, replay_search,
+                                             trials_to_best)
     from prism_megatron.sweep.sweeper import SweepDriver
 
     space = ["emulation.virtual_world_size=256", "parallel.tp=1,2,4,8", "parallel.pp=1,2", *TINY,
@@ -331,9 +384,12 @@ def test_a_search_replayed_on_a_measured_grid_is_the_search_itself_with_no_job(t
     assert [r.point for r in replayed.rows] == [r.point for r in direct.rows]  # the same trials, in order
     best = grid_best(rows, 24 * 2**30)
     assert dict(o.split("=", 1) for o in best.overrides)["parallel.pp"] == "2"  # tp=1, pp=1 does not fit
-    reached = trials_to_best(replayed, best)
-    assert reached == (None if best.point not in [r.point for r in replayed.rows] else
-                       [r.point for r in replayed.rows].index(best.point) + 1)
+    points = [r.point for r in replayed.rows]
+    assert best.point in points  # the grid's 6 captures are fewer than 12 trials
+    at = points.index(best.point)
+    assert trials_to_best(replayed, best) == sum(1 for s in replayed.sibling_of[:at + 1] if s is None)
+    assert captures_to_best(replayed, best) == len({r.capture for r in replayed.rows[:at + 1]})
+    assert trials_to_best(replayed, best) == captures_to_best(replayed, best)  # one capture per trial
     with pytest.raises(ReplayError, match="no row"):  # a point outside the grid is not made up
         replay_search(grid, tmp_path / "wider", [*space[:-1], "train.global_batch_size=1024,8192"],
                       "cpu_host", seed=0)

@@ -47,6 +47,12 @@ def _register(settings: SweepSettings) -> None:
     for name, preset in MODEL_PRESETS.items():
         store.store(group="model", name=name, node=OmegaConf.to_container(OmegaConf.structured(preset)))
     store.store(group="hydra/sweeper", name="prism", node=PrismSweeperConf)
+    # Hydra finds plugins by walking `hydra_plugins`' path, which an editable install's import hook
+    # (setuptools' finder for `pip install -e`) does not list: registered by hand, as Hydra documents
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.prism_megatron_sweeper import PrismSweeper
+
+    Plugins.instance().register(PrismSweeper)
 
 
 def multirun(settings: SweepSettings, overrides: list[str]):

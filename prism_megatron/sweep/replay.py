@@ -3,9 +3,10 @@ over the rows a grid sweep wrote (`<grid>/points/<id>/row.json`), launching no j
 deterministic, so a replay is what the same search would find on the real sweep, at the cost of the
 sampler alone: what tunes the search (and measures how many trials it needs) over many seeds.
 
-`replay_search` gives the search's table (its trials in order); `trials_to_best` the trial at which a
-search first evaluated the grid's best fitting point, and `captures_to_best` the captures it had run
-by then (its budget's unit), None where it never did.
+`replay_search` gives the search's table (its trials in order, each followed by the points replayed
+from its capture); `trials_to_best` the trials a search had asked for when it first evaluated the
+grid's best fitting point, and `captures_to_best` the captures it had run by then, None where it
+never did.
 
 Known limitations: a point the grid does not hold (outside its axes) fails the replay (ReplayError).
 """
@@ -63,7 +64,16 @@ def grid_best(rows: list[PointResult], capacity_bytes: int) -> Optional[PointRes
 
 
 def trials_to_best(table: Table, best: PointResult) -> Optional[int]:
-    """The number of trials the search took to first evaluate `best` (None: never)."""
+    """The number of trials the search had asked its sampler for when it first evaluated `best` (None:
+    never); a point replayed from a trial's capture (`sibling_of`) is not a trial of its own."""
+    siblings = table.sibling_of or [None] * len(table.rows)
+    for i, row in enumerate(table.rows):
+        if row.point == best.point:
+            return sum(1 for s in siblings[:i + 1] if s is None) or None
+    return None
+
+
+def _rows_to_best(table: Table, best: PointResult) -> Optional[int]:
     for i, row in enumerate(table.rows, start=1):
         if row.point == best.point:
             return i
@@ -72,5 +82,5 @@ def trials_to_best(table: Table, best: PointResult) -> Optional[int]:
 
 def captures_to_best(table: Table, best: PointResult) -> Optional[int]:
     """The number of captures the search had run when it first evaluated `best` (None: never)."""
-    reached = trials_to_best(table, best)
+    reached = _rows_to_best(table, best)
     return None if reached is None else len({r.capture for r in table.rows[:reached]})

@@ -30,9 +30,12 @@ class Table:
     rows: list[PointResult]
     trials: Optional[list[Optional[int]]] = None
     """A search's trial number per row (None: a grid)."""
+    sibling_of: Optional[list[Optional[str]]] = None
+    """A search's rows replayed from another trial's capture: that trial's point (None: a trial's own)."""
 
     def columns(self) -> list[str]:
-        return ["point", *(["trial"] if self.trials is not None else []), *self.keys, *METRICS]
+        search = ["trial", "sibling_of"] if self.trials is not None else []
+        return ["point", *search, *self.keys, *METRICS]
 
     def records(self) -> list[dict]:
         out = []
@@ -43,6 +46,7 @@ class Table:
             record = {"point": r.point, **values_of(r.overrides, self.keys), **data}
             if self.trials is not None:
                 record["trial"] = self.trials[i]
+                record["sibling_of"] = self.sibling_of[i] if self.sibling_of else None
             out.append({c: record.get(c) for c in self.columns()})
         return out
 

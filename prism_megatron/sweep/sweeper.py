@@ -21,6 +21,13 @@ category), enqueued to the study, while one is left. `n_trials` points are evalu
 a time (`batch=N`: N at once, at some cost in trials: the sampler learns after each batch). The
 study lives in `<out>/optuna.db` (SQLite), so a rerun continues it; its trials are the table's rows,
 in trial order.
+
+Trials are counted in captures, what a search costs (minutes each, against seconds for a replay):
+after a trial, every valid point that shares its capture (evaluate.capture_plan: it differs only in
+what the replay rewrites, the global batch of a 1F1B schedule) is evaluated too, from the cache, and
+told to the study as a trial of its own (`sibling_of` in the table names the trial whose capture it
+replayed), not counted in `n_trials` (`siblings=false`: off). The sampler then learns the batch axis
+of every layout it tries at no capture's cost, and spends its trials on layouts.
 """
 
 from __future__ import annotations
@@ -50,18 +57,21 @@ class PrismSweeperConf:
     seed: int = 0
     batch: Optional[int] = None
     """Points per launch (None: a grid, joblib's n_jobs, else all; a search, 1)."""
+    siblings: bool = True
+    """optuna: after each trial, evaluate the points sharing its capture (not counted in n_trials)."""
 
 
 class SweepDriver(Sweeper):
     """See the module docstring."""
 
     def __init__(self, search: str = "grid", n_trials: int = 12, seed: int = 0,
-                 batch: Optional[int] = None) -> None:
+                 batch: Optional[int] = None, siblings: bool = True) -> None:
         if search not in SEARCHES:
             raise ConfigError(f"hydra.sweeper.search={search}: expected one of {', '.join(SEARCHES)}")
         if n_trials < 1 or (batch is not None and batch < 1):
             raise ConfigError(f"hydra.sweeper.n_trials={n_trials} / batch={batch}: expected 1 or more")
         self.search, self.n_trials, self.seed, self.batch = search, n_trials, seed, batch
+        self.siblings = siblings
         self.launcher = None
         self.job_idx = 0
         self.app_args: list[str] = []
@@ -88,6 +98,7 @@ class SweepDriver(Sweeper):
         space = parse_space([a for a in arguments if not is_app_key(a)], sorted(MODEL_PRESETS))
         self.keys = space.swept_keys()
         points = space.points()
+        self._points = points
         if self.search == "grid":
             return self._grid(points)
         return self._optuna(space, points)
@@ -179,9 +190,10 @@ class SweepDriver(Sweeper):
         axes = [a for a in space.axes if a.swept]
         fixed = [a.values[0] for a in space.axes if not a.swept]
         order = [a.key for a in space.axes]
-        valid = sum(1 for p in points if self._validate(point_id(p, self.settings.script), p) is None)
-        history: list[tuple[int, str]] = []  # (trial, point) of every evaluated trial, in order
+        keys = self._capture_keys(points)  # every valid point: its capture's key
+        history: list[tuple[int, str, Optional[str]]] = []  # (trial, point, sibling of) evaluated, in order
         rows: dict[str, PointResult] = {}
+        asked: set[str] = set()  # the points the sampler chose (n_trials counts them)
         for t in study.get_trials(deepcopy=False):  # a rerun: the study's trials so far
             pid = t.user_attrs.get("point")
             row = read_row(self.out, pid) if pid else None
@@ -192,23 +204,26 @@ class SweepDriver(Sweeper):
                     self._tell(study, t.number, row, capacity)
             if row is not None and t.state != optuna.trial.TrialState.PRUNED and pid not in rows:
                 rows[pid] = row  # a point's first trial (a later one was told its row again)
-                history.append((t.number, pid))
-        evaluated = {pid for _, pid in history}
+                history.append((t.number, pid, t.user_attrs.get("sibling_of")))
+                if t.user_attrs.get("sibling_of") is None:
+                    asked.add(pid)
         if history:
-            print(f"sweep: the study has {len(evaluated)} points evaluated ({self.out / 'optuna.db'})",
+            print(f"sweep: the study has {len(rows)} points evaluated ({self.out / 'optuna.db'})",
                   file=sys.stderr, flush=True)
 
         def table() -> Table:
-            return Table(self.keys, [rows[pid] for _, pid in history], trials=[n for n, _ in history])
+            return Table(self.keys, [rows[pid] for _, pid, _ in history], trials=[n for n, _, _ in history],
+                         sibling_of=[s for _, _, s in history])
 
+        self._expand(study, axes, list(asked), keys, rows, history, capacity)  # a killed run's siblings
         asks = 0
-        while len(evaluated) < min(self.n_trials, valid) and asks < 50 * self.n_trials:
-            pending = []
-            while len(pending) < (self.batch or 1) and len(evaluated) + len(pending) < self.n_trials:
+        while len(asked) < self.n_trials and len(rows) < len(keys) and asks < 50 * self.n_trials:
+            pending, fresh = [], []  # to launch; every point the sampler chose this round
+            while len(pending) + len(fresh) < (self.batch or 1) and len(asked) + len(pending) < self.n_trials:
                 asks += 1
-                if len(evaluated) + len(pending) >= self.n_trials - max(1, self.n_trials // 4):
-                    taken = evaluated | {p for _, p, _ in pending}
-                    params = self._neighbour(axes, [rows[p] for p in evaluated], taken, capacity)
+                if len(asked) + len(pending) >= self.n_trials - max(1, self.n_trials // 4):
+                    taken = set(rows) | {p for _, p, _ in pending}
+                    params = self._neighbour(axes, list(rows.values()), taken, capacity)
                     if params is not None:  # the last quarter: next to the best, if any is left
                         study.enqueue_trial(params)
                 trial = study.ask()
@@ -216,8 +231,7 @@ class SweepDriver(Sweeper):
                 overrides = sorted([*fixed, *chosen.values()], key=lambda o: order.index(o.partition("=")[0]))
                 pid = point_id(overrides, self.settings.script)
                 trial.set_user_attr("point", pid)
-                bad = self._validate(pid, overrides)
-                if bad is not None:
+                if pid not in keys:  # an invalid layout: pruned, no capture, not a trial
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 elif pid in rows or pid in {p for _, p, _ in pending}:
                     known = rows.get(pid)
@@ -229,29 +243,86 @@ class SweepDriver(Sweeper):
                     row = read_row(self.out, pid)
                     if finished(row):  # evaluated by an earlier, killed run before its trial was told
                         rows[pid] = row
-                        evaluated.add(pid)
-                        history.append((trial.number, pid))
+                        asked.add(pid)
+                        fresh.append(pid)
+                        history.append((trial.number, pid, None))
                         self._tell(study, trial, row, capacity)
                     else:
                         pending.append((trial, pid, overrides))
                 if asks >= 50 * self.n_trials:
                     break
-            if not pending:
-                continue
-            got = self._launch([(pid, ov) for _, pid, ov in pending])
-            for trial, pid, _ in pending:
-                rows[pid] = got[pid]
-                evaluated.add(pid)
-                history.append((trial.number, pid))
-                self._tell(study, trial, got[pid], capacity)
+            if pending:
+                got = self._launch([(pid, ov) for _, pid, ov in pending])
+                for trial, pid, _ in pending:
+                    rows[pid] = got[pid]
+                    asked.add(pid)
+                    fresh.append(pid)
+                    history.append((trial.number, pid, None))
+                    self._tell(study, trial, got[pid], capacity)
+            self._expand(study, axes, fresh, keys, rows, history, capacity)
             write_table(self.out, table())
             best = table().best()
-            print(f"sweep: {len(evaluated)}/{self.n_trials} trials evaluated ({asks} proposed); best "
-                  f"{best.tokens_per_s_per_gpu:.1f} tokens/s/GPU" if best else
-                  f"sweep: {len(evaluated)}/{self.n_trials} trials evaluated, none fits yet",
+            print(f"sweep: {len(asked)}/{self.n_trials} trials, {len(rows)} points evaluated ({asks} proposed); "
+                  f"best {best.tokens_per_s_per_gpu:.1f} tokens/s/GPU" if best else
+                  f"sweep: {len(asked)}/{self.n_trials} trials, {len(rows)} points evaluated, none fits yet",
                   file=sys.stderr, flush=True)
         write_table(self.out, table())
         return table()
+
+    def _capture_keys(self, points: list[list[str]]) -> dict[str, str]:
+        """Point id -> the key of the capture it replays (evaluate.capture_plan), for every valid point."""
+        from prism_megatron.sweep.evaluate import capture_plan
+
+        keys = {}
+        for p in points:
+            try:
+                cfg = point_config(self.settings, p)
+            except ConfigError:
+                continue
+            keys[point_id(p, self.settings.script)] = capture_plan(
+                cfg, self.settings.share and not self.settings.script).key
+        return keys
+
+    def _expand(self, study, axes, parents: list[str], keys: dict[str, str], rows: dict[str, PointResult],
+                history: list, capacity: int) -> None:
+        """Evaluate the valid points not yet evaluated that share a capture with one of `parents`
+        (rows already there are read, the others launched at once), each told as its own trial."""
+        if not self.siblings:
+            return
+        import optuna
+
+        overrides = {pid: ov for pid, ov in ((point_id(p, self.settings.script), p) for p in self._points)}
+        want: dict[str, str] = {}  # sibling -> the trial's point whose capture it replays
+        for parent in parents:
+            row = rows.get(parent)
+            if row is None or row.status != "ok":
+                continue
+            for pid, key in keys.items():
+                if key == row.capture and pid not in rows and pid not in want:
+                    want[pid] = parent
+        if not want:
+            return
+        got = {pid: row for pid in want if finished(row := read_row(self.out, pid))}
+        todo = [(pid, overrides[pid]) for pid in want if pid not in got]
+        if todo:
+            got.update(self._launch(todo))
+        distributions = {a.key: _distribution(a) for a in axes}
+        for pid, parent in want.items():
+            row = got[pid]
+            rows[pid] = row
+            current = {o.partition("=")[0]: o for o in row.overrides}
+            params = {a.key: _param(a, current[a.key]) for a in axes}
+            attrs = {"point": pid, "sibling_of": parent}
+            if row.status != "ok":
+                frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params=params,
+                                                   distributions=distributions, user_attrs=attrs)
+            else:
+                over = float(row.max_peak_bytes - capacity)
+                frozen = optuna.trial.create_trial(
+                    value=row.tokens_per_s_per_gpu if over <= 0 else 0.0, params=params,
+                    distributions=distributions, user_attrs=attrs, constraints={"peak_over_capacity_bytes": over})
+            study.add_trial(frozen)
+            history.append((study.get_trials(deepcopy=False)[-1].number, pid, parent))
 
     def _neighbour(self, axes, rows: list[PointResult], taken: set[str], capacity: int) -> Optional[dict]:
         """The study's parameters of a valid point not yet evaluated next to the best fitting one (one
@@ -313,6 +384,15 @@ def _suggest(trial, axis) -> str:
     if ordered is None:
         return trial.suggest_categorical(axis.key, list(axis.values))
     return axis.values[ordered[trial.suggest_int(axis.key, 0, len(axis.values) - 1)]]
+
+
+def _distribution(axis):
+    """The study's distribution of `axis`, as `_suggest` asks it."""
+    import optuna
+
+    if _ordered(axis) is None:
+        return optuna.distributions.CategoricalDistribution(list(axis.values))
+    return optuna.distributions.IntDistribution(0, len(axis.values) - 1)
 
 
 def _param(axis, override: str):
