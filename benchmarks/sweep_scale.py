@@ -8,8 +8,8 @@ replay rewrites (the capture cache). The sweep runs twice from nothing (each wit
 `--jobs 1` and `--jobs 2` (joblib processes); both tables must agree point by point (predictions are
 deterministic). Then the sweeper's Optuna search (`hydra.sweeper.search=optuna`) is replayed on the
 measured grid (sweep/replay.py: the same search, each trial answered by the grid's row) for `--seeds`
-seeds, `--trials` points each: the trial at which each first evaluated the grid's fastest fitting
-point, and how many distinct captures it had needed by then.
+seeds, `--trials` trials each (a trial is a capture, its points sharing it replayed beside it): the
+trial at which each first evaluated the grid's fastest fitting point, and the captures run by then.
 
     python benchmarks/sweep_scale.py [--seeds N] [--trials N] [--keep DIR] [--json PATH]
     python benchmarks/sweep_scale.py --searches-from DIR [--seeds N] [--trials N] [--json PATH]
@@ -109,7 +109,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20, help="Optuna seeds replayed (default 20)")
-    parser.add_argument("--trials", type=int, default=12, help="trials (points) per search (default 12)")
+    parser.add_argument("--trials", type=int, default=12, help="trials (captures) per search (default 12)")
     parser.add_argument("--keep", default=None, help="keep the sweeps' folders here (default: deleted)")
     parser.add_argument("--searches-from", default=None, metavar="DIR",
                         help="replay the searches on the grid kept in DIR (--keep) instead of sweeping")

@@ -34,12 +34,14 @@ class _NoLaunch:
 
 
 def replay_search(grid: Path, out: Path, overrides: list[str], cluster: str, seed: int,
-                  n_trials: int = 12) -> Table:
+                  n_trials: int = 12, config: Optional[str] = None) -> Table:
     """The Optuna search of `overrides` (the grid's, in Hydra's grammar) with `seed`, its study in
     `out/optuna.db`, every trial answered by the grid's row of that point; `cluster` sets the
-    capacity the constraint holds (it may differ from the grid's)."""
+    capacity the constraint holds (it may differ from the grid's). `config`: the grid's `--config`
+    (None: the default one, as `sweep` reads it), which the points' capture keys depend on."""
     from omegaconf import OmegaConf
 
+    from prism_megatron.config.job import config_file
     from prism_megatron.sweep.sweeper import SweepDriver
 
     for row in Path(grid, "points").glob("*/row.json"):  # linked one by one: the grid is never written
@@ -48,7 +50,8 @@ def replay_search(grid: Path, out: Path, overrides: list[str], cluster: str, see
         if not mine.exists():
             os.symlink(row.resolve(), mine)
     driver = SweepDriver(search="optuna", n_trials=n_trials, seed=seed)
-    driver.config = OmegaConf.create({"sweep": {"out": str(out), "cluster": cluster}, "hydra": {"launcher": {}}})
+    settings = {"out": str(out), "cluster": cluster, "config_file": config_file(config)}
+    driver.config = OmegaConf.create({"sweep": settings, "hydra": {"launcher": {}}})
     driver.launcher = _NoLaunch()
     table = driver.sweep(list(overrides))
     lost = [r for r in table.rows if ReplayError.__name__ in r.status]  # the sweeper records a lost job
