@@ -3,8 +3,9 @@ workers, the captures the cache actually ran, and how many Optuna trials reach t
 
 The grid: a GPT-3 13B-shaped model (40 layers, hidden 5120, 40 heads, seq 2048) on 1,024 H200s
 (`dgx_h200`), fake execution, TP 2/4/8 x PP 2/4 x micro-batch 1/2 x global batch 1024/1536/2048/3072:
-48 points of 12 captures, since the global batch only changes the 1F1B micro-batch count, which the
-replay rewrites (the capture cache). The sweep runs twice from nothing (each with its own empty cache),
+48 points of 12 layouts, 14 captures: the global batch only changes the 1F1B micro-batch count, which
+the replay rewrites (the capture cache), except for a point whose count is below pp + 1, which is
+captured at its own batch. The sweep runs twice from nothing (each with its own empty cache),
 `--jobs 1` and `--jobs 2` (joblib processes); both tables must agree point by point (predictions are
 deterministic). Then the sweeper's Optuna search (`hydra.sweeper.search=optuna`) is replayed on the
 measured grid (sweep/replay.py: the same search, each trial answered by the grid's row) for `--seeds`
