@@ -28,7 +28,9 @@ TINY = ["emulation.virtual_world_size=16", "parallel.tp=2", "parallel.pp=2", "mo
         "emulation.execution=fake"]
 # Ray comes with the `[ray]` extra; its cases run with `pytest -m ray` where it is installed
 RAY = pytest.param("ray", marks=pytest.mark.ray)
-KINDS = ["local", "submitit_local", RAY]
+# submitit's jobs take seconds each to start and end: its cases run in the slow pass
+SUBMITIT = pytest.param("submitit_local", marks=pytest.mark.slow)
+KINDS = ["local", SUBMITIT, RAY]
 
 
 def _wait(job, timeout_s: float = 60.0):
@@ -52,7 +54,7 @@ def test_a_slices_exit_status_and_log_come_back_through_the_executor(kind, tmp_p
         assert (tmp_path / f"s{rc}.log").read_text().strip() == f"slice {tmp_path}"
 
 
-@pytest.mark.parametrize("kind", ["submitit_local", RAY])
+@pytest.mark.parametrize("kind", [SUBMITIT, RAY])
 def test_a_job_on_this_machine_ends_when_the_capture_is_sigkilled(kind, tmp_path):
     """The capture process (here a stand-in that starts one slice of `sleep`) is SIGKILLed: the
     slice's command must not outlive it."""
