@@ -98,7 +98,7 @@ class SweepDriver(Sweeper):
         space = parse_space([a for a in arguments if not is_app_key(a)], sorted(MODEL_PRESETS))
         self.keys = space.swept_keys()
         points = space.points()
-        self._points = points
+        self._overrides = {point_id(p, self.settings.script): p for p in points}
         if self.search == "grid":
             return self._grid(points)
         return self._optuna(space, points)
@@ -223,7 +223,7 @@ class SweepDriver(Sweeper):
                 asks += 1
                 if len(asked) + len(pending) >= self.n_trials - max(1, self.n_trials // 4):
                     taken = set(rows) | {p for _, p, _ in pending}
-                    params = self._neighbour(axes, list(rows.values()), taken, capacity)
+                    params = self._neighbour(axes, list(rows.values()), taken, set(keys), capacity)
                     if params is not None:  # the last quarter: next to the best, if any is left
                         study.enqueue_trial(params)
                 trial = study.ask()
@@ -291,7 +291,6 @@ class SweepDriver(Sweeper):
             return
         import optuna
 
-        overrides = {pid: ov for pid, ov in ((point_id(p, self.settings.script), p) for p in self._points)}
         want: dict[str, str] = {}  # sibling -> the trial's point whose capture it replays
         for parent in parents:
             row = rows.get(parent)
@@ -303,7 +302,7 @@ class SweepDriver(Sweeper):
         if not want:
             return
         got = {pid: row for pid in want if finished(row := read_row(self.out, pid))}
-        todo = [(pid, overrides[pid]) for pid in want if pid not in got]
+        todo = [(pid, self._overrides[pid]) for pid in want if pid not in got]
         if todo:
             got.update(self._launch(todo))
         distributions = {a.key: _distribution(a) for a in axes}
@@ -313,18 +312,18 @@ class SweepDriver(Sweeper):
             current = {o.partition("=")[0]: o for o in row.overrides}
             params = {a.key: _param(a, current[a.key]) for a in axes}
             attrs = {"point": pid, "sibling_of": parent}
-            if row.status != "ok":
+            score = _score(row, capacity)
+            if score is None:
                 frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params=params,
                                                    distributions=distributions, user_attrs=attrs)
             else:
-                over = float(row.max_peak_bytes - capacity)
-                frozen = optuna.trial.create_trial(
-                    value=row.tokens_per_s_per_gpu if over <= 0 else 0.0, params=params,
-                    distributions=distributions, user_attrs=attrs, constraints={"peak_over_capacity_bytes": over})
+                frozen = optuna.trial.create_trial(value=score[0], params=params, distributions=distributions,
+                                                   user_attrs=attrs, constraints={CONSTRAINT: score[1]})
             study.add_trial(frozen)
             history.append((study.get_trials(deepcopy=False)[-1].number, pid, parent))
 
-    def _neighbour(self, axes, rows: list[PointResult], taken: set[str], capacity: int) -> Optional[dict]:
+    def _neighbour(self, axes, rows: list[PointResult], taken: set[str], valid: set[str],
+                   capacity: int) -> Optional[dict]:
         """The study's parameters of a valid point not yet evaluated next to the best fitting one (one
         swept key one step along its numeric order, or another of its categories); None: none left."""
         fitting = [r for r in rows if r.status == "ok" and r.max_peak_bytes <= capacity]
@@ -345,7 +344,7 @@ class SweepDriver(Sweeper):
             for step in steps:
                 overrides = [options[step] if o == current[axis.key] else o for o in best.overrides]
                 pid = point_id(overrides, self.settings.script)
-                if pid not in taken and self._validate(pid, overrides) is None:
+                if pid not in taken and pid in valid:
                     return {**params, axis.key: _param(axis, options[step])}
         return None
 
@@ -353,19 +352,32 @@ class SweepDriver(Sweeper):
     def _tell(study, trial, row: PointResult, capacity: int) -> None:
         import optuna
 
-        if row.status != "ok":
+        score = _score(row, capacity)
+        if score is None:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return
-        over = float(row.max_peak_bytes - capacity)
+        value, over = score
         if isinstance(trial, int):  # asked by a killed run (a number: no constraint to set), so a point
             if over > 0:            # that does not fit is told failed rather than feasible
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             else:
-                study.tell(trial, row.tokens_per_s_per_gpu)
+                study.tell(trial, value)
             return
-        trial.set_constraint("peak_over_capacity_bytes", over)  # feasible at <= 0
-        # and a point that does not fit scores nothing: its throughput would draw the sampler to it
-        study.tell(trial, row.tokens_per_s_per_gpu if over <= 0 else 0.0)
+        trial.set_constraint(CONSTRAINT, over)
+        study.tell(trial, value)
+
+
+CONSTRAINT = "peak_over_capacity_bytes"
+"""The study's constraint: predicted peak minus the GPU's capacity (feasible at <= 0)."""
+
+
+def _score(row: PointResult, capacity: int) -> Optional[tuple[float, float]]:
+    """(value, constraint) a row tells the study; None: the point failed. A point that does not fit
+    scores nothing: its throughput would draw the sampler to it."""
+    if row.status != "ok":
+        return None
+    over = float(row.max_peak_bytes - capacity)
+    return (row.tokens_per_s_per_gpu if over <= 0 else 0.0), over
 
 
 def _ordered(axis) -> Optional[list[int]]:
