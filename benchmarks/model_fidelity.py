@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prism_megatron.util import atomic_write_text
+
 REPO = Path(__file__).resolve().parents[1]
 ITERS = 8
 WORLD = ["emulation.virtual_world_size=1", "emulation.sandbox_ranks=[0]", "parallel.tp=1", "parallel.pp=1",
@@ -92,7 +94,7 @@ def ops(out: str) -> None:
                     seen.add(key)
                     merged.append(sig)
             print(f"{name}: {len(merged)} distinct signatures so far", flush=True)
-    Path(out).write_text(json.dumps({"ops": merged}))
+    atomic_write_text(out, json.dumps({"ops": merged}))
 
 
 def real(out: str) -> None:
@@ -109,7 +111,7 @@ def real(out: str) -> None:
             rows[name] = {**_steady(summary), "peak_allocated_bytes": summary["peak_allocated_bytes"]}
             print(f"{name}: {rows[name]['iteration_ms_median']:.1f} ms (spread {rows[name]['spread_pct']:.1f} %), "
                   f"peak {rows[name]['peak_allocated_bytes'] / 2**30:.2f} GiB", flush=True)
-            Path(out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            atomic_write_text(out, json.dumps({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                              "rows": rows}, indent=1))
 
 
@@ -142,7 +144,6 @@ def predict(real_path: str, calibration: str, result: str | None) -> None:
     print(f"mean |time error| {summary['mean_abs_time_error_pct']:.2f} %, max {summary['max_abs_time_error_pct']:.2f} %, "
           f"max |peak error| {summary['max_abs_peak_error_pct']:.2f} %")
     if result:
-        from prism_megatron.util import atomic_write_text
 
         atomic_write_text(result, json.dumps(summary, indent=1))
 

@@ -148,6 +148,69 @@ def test_moe_shared_expert_and_sigmoid_router(run):
     assert sigmoid["aten.sigmoid.default"] > base_ops["aten.sigmoid.default"]
 
 
+def test_fp8_runs_the_layers_gemms_through_scaled_mm(run):
+    plain, plain_ops = run()
+    fp8, fp8_ops = run("model.fp8=hybrid")
+    gemms = 4 * 4 * 3 * 2 * 2  # layers x linears (qkv, proj, fc1, fc2) x GEMMs x micro-batches x iterations
+    assert not plain_ops["aten._scaled_mm.default"] and fp8_ops["aten._scaled_mm.default"] == gemms
+    assert fp8_ops["aten.mm.default"] + fp8_ops["aten.addmm.default"] + gemms == (
+        plain_ops["aten.mm.default"] + plain_ops["aten.addmm.default"])  # the output layer stays bf16
+    assert fp8_ops["aten.amax.default"] > plain_ops["aten.amax.default"]  # per-tensor scales
+    real_plain, _ = run(fake=False)
+    real_fp8, _ = run("model.fp8=hybrid", fake=False)
+    losses = [r["losses"] for r in (real_plain, real_fp8)]
+    assert losses[0] != losses[1] and all(abs(a - b) < 0.02 * a for a, b in zip(*losses))
+
+
+def test_fp8_linear_matches_the_bf16_product_and_keeps_a_delayed_history():
+    import types
+
+    import torch
+
+    from prism_megatron.runtime.fp8_linear import _FP8Linear, _Scaling
+
+    def module(recipe: str, fmt: str = "hybrid"):
+        config = types.SimpleNamespace(fp8=fmt, fp8_recipe=recipe, fp8_amax_history_len=4,
+                                       fp8_amax_compute_algo="max", fp8_margin=0)
+        return types.SimpleNamespace(config=config, _prism_fp8_scaling={
+            name: _Scaling(config) for name in ("input", "weight", "grad")})
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 2, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(128, 256) / 16).to(torch.bfloat16).requires_grad_()
+    ref = torch.matmul(x.float(), w.float().t())
+    (ref * ref).sum().backward()
+    gx, gw = x.grad.float().clone(), w.grad.float().clone()
+    for recipe in ("tensorwise", "delayed"):
+        m = module(recipe)
+        for _ in range(3):
+            x.grad = w.grad = None
+            out = _FP8Linear.apply(x, w, None, m, False, False, None)
+            (out.float() ** 2).sum().backward()
+        for got, want in ((out.float(), ref), (x.grad.float(), gx), (w.grad.float(), gw)):
+            assert (got - want).norm() / want.norm() < 0.08, recipe
+    history = m._prism_fp8_scaling["input"].history
+    assert history.shape == (4,) and (history[:3] > 0).all() and history[3] == 0  # three forwards kept
+    assert torch.allclose(history[:3], x.detach().abs().amax().float().expand(3))
+
+
+def test_fp8_gemms_are_priced_at_the_fp8_peak():
+    import torch
+
+    from prism_megatron.kernels.model import FP8_OF_BF16_EFFICIENCY, KernelCostModel
+    from prism_megatron.kernels.signature import OpCall
+
+    model = KernelCostModel.for_gpu("h200")
+    a = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta").t()  # the layout _scaled_mm takes
+    bf16 = model.predict(OpCall(torch.ops.aten.mm.default, (a, b), {}, None))
+    one = torch.ones((), device="meta")
+    a8, b8 = a.to(torch.float8_e4m3fn), torch.empty(6144, 4096, device="meta").to(torch.float8_e4m3fn).t()
+    fp8 = model.predict(OpCall(torch.ops.aten._scaled_mm.default, (a8, b8, one, one), {}, None))
+    assert fp8[1] == "gemm-grid-scaled" and bf16[1] == "gemm-grid"
+    assert fp8[0] == pytest.approx(bf16[0] / (2 * FP8_OF_BF16_EFFICIENCY), rel=0.02)
+
+
 def test_megatron_flags_map_onto_the_keys():
     from prism_megatron.config.flags import OneLineParser, add_megatron_args, config_from_args
 
@@ -160,12 +223,25 @@ def test_megatron_flags_map_onto_the_keys():
         "RMSNorm", "rope", 500000)
     assert cfg.model.attention_backend == "flash" and cfg.model.kv_channels == 16
     assert cfg.train.recompute_modules == ["core_attn", "mlp"]
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16",
+           "--fp8-amax-compute-algo", "max", "--bf16"]
+    cfg = config_from_args(add_megatron_args(OneLineParser()).parse_args(fp8))
+    assert (cfg.model.fp8, cfg.model.fp8_recipe, cfg.model.fp8_amax_history_len, cfg.model.fp8_amax_compute_algo) == (
+        "hybrid", "tensorwise", 16, "max")
+
+
+def test_fp8_with_a_recompute_only_te_runs_is_refused():
+    with pytest.raises(ConfigError, match="Transformer Engine only"):
+        load_config(["model.fp8=e4m3", "model.params_dtype=bf16", "train.recompute_granularity=selective",
+                     "train.recompute_modules=[core_attn,mlp]"])
 
 
 @pytest.mark.parametrize("bad", [
     "model.normalization=BatchNorm", "model.attention_backend=xformers", "model.rotary_percent=0",
     "model.attention_dropout=1.5", "model.position_embedding_type=alibi", "train.recompute_granularity=full",
     "train.recompute_method=uniform", "model.kv_channels=0", "model.norm_epsilon=0",
+    "model.fp8=e5m2", "model.fp8_recipe=mxfp8", "model.fp8_amax_history_len=0", "model.fp8=hybrid",
+    "model.fp8_amax_compute_algo=mean", "model.fp8_margin=-1",
 ])
 def test_bad_values_are_refused_in_one_line(bad):
     with pytest.raises(ConfigError) as err:

@@ -24,6 +24,11 @@ megatron's DotProductAttention (the score matrix built, softmax unfused); `flash
 scaled_dot_product_attention restricted to its FlashAttention-2 kernel, `fused` to its cuDNN kernel
 (what TE's fused attention runs), `auto` torch's own choice (runtime/sdpa_attention.py)."""
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise")
+"""megatron's `--fp8-recipe` values with per-tensor scales (runtime/fp8_linear.py); mxfp8, blockwise and
+custom need Transformer Engine's kernels."""
+FP8_AMAX_ALGOS = ("most_recent", "max")
 
 
 @dataclass(kw_only=True)
@@ -114,6 +119,24 @@ class ModelConfig:
     moe_router_score_function: str = "softmax"
     """Router scores (--moe-router-score-function): softmax or sigmoid (DeepSeek-V3)."""
 
+    fp8: Optional[str] = None
+    """FP8 GEMMs in the transformer layers (--fp8-format): e4m3 (everything e4m3) or hybrid (e4m3
+    forward, e5m2 gradients); None: the parameter dtype. Runs through torch._scaled_mm (Hopper GPUs,
+    and CPUs), costed as FP8 GEMMs under fake execution; needs params_dtype bf16 or fp16."""
+
+    fp8_recipe: str = "delayed"
+    """Per-tensor scaling (--fp8-recipe): delayed (from an amax history) or tensorwise (the current
+    tensor's amax)."""
+
+    fp8_amax_history_len: int = 1
+    """Quantizations of a tensor whose amax the delayed recipe keeps (--fp8-amax-history-len)."""
+
+    fp8_amax_compute_algo: str = "most_recent"
+    """How the delayed recipe reduces its history (--fp8-amax-compute-algo): most_recent or max."""
+
+    fp8_margin: int = 0
+    """Scale margin, scale = fp8_max / amax / 2^margin (--fp8-margin)."""
+
     def parameters(self) -> int:
         """Parameter count of the whole model (biases and norms left out: a fraction of a percent)."""
         h, heads = self.hidden_size, self.num_attention_heads
@@ -142,12 +165,21 @@ class ModelConfig:
                           moe_router_topk=self.moe_router_topk, vocab_size=self.vocab_size,
                           seq_length=self.seq_length, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
                           num_query_groups=self.num_query_groups, kv_channels=self.kv_channels,
-                          rotary_base=self.rotary_base,
+                          rotary_base=self.rotary_base, fp8_amax_history_len=self.fp8_amax_history_len,
                           moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size)
         require_choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         require_choice("model.normalization", self.normalization, NORMALIZATIONS)
         require_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         require_choice("model.moe_router_score_function", self.moe_router_score_function, SCORE_FUNCTIONS)
+        require_choice("model.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        require_choice("model.fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_ALGOS)
+        if self.fp8 is not None:
+            require_choice("model.fp8", self.fp8, FP8_FORMATS)
+            if self.params_dtype == "fp32":
+                raise ConfigError(f"model.fp8={self.fp8} needs 16-bit parameters (as with Transformer "
+                                  "Engine); set model.params_dtype=bf16")
+        if isinstance(self.fp8_margin, bool) or not isinstance(self.fp8_margin, int) or self.fp8_margin < 0:
+            raise ConfigError(f"model.fp8_margin={self.fp8_margin!r}: expected an integer >= 0")
         require_fraction("model.rotary_percent", self.rotary_percent, low_open=True)
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)

@@ -401,6 +401,11 @@ class PrismConfig:
             if changed:
                 raise ConfigError(f"{', '.join(changed)}: megatron-core layer choices that the DeepSpeed "
                                   "example does not build; drop them or use train.framework=megatron")
+        fp8_recompute = {"mlp", "layernorm", "moe_act"} & set(self.train.recompute_modules or ())
+        if self.model.fp8 and fp8_recompute:
+            raise ConfigError(f"train.recompute_modules {sorted(fp8_recompute)} with model.fp8: megatron "
+                              "recomputes these under FP8 through Transformer Engine only; recompute "
+                              "core_attn, or full layers")
         if self.emulation.execution == "fake" and self.emulation.virtual_world_size is None:
             raise ConfigError("emulation.execution=fake needs a virtual world (its peers are ghosts): set "
                               "emulation.virtual_world_size (1 for the job of one rank)")
@@ -469,7 +474,8 @@ class PrismConfig:
 MEGATRON_ONLY = tuple(("model", name) for name in (
     "kv_channels", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
     "norm_epsilon", "attention_backend", "attention_dropout", "hidden_dropout",
-    "moe_shared_expert_intermediate_size", "moe_router_score_function")) + tuple(
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "fp8", "fp8_recipe",
+    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")) + tuple(
     ("train", f"recompute_{name}") for name in ("granularity", "method", "num_layers", "modules"))
 """Keys only megatron-core's model (examples/pretrain_gpt.py, a Megatron-LM script) builds."""
 

@@ -90,7 +90,9 @@ def build_model(cfg, device, cpu_initialization=None):
         layernorm_epsilon=m.norm_epsilon, attention_backend=AttnBackend[m.attention_backend],
         add_bias_linear=not m.num_experts and not m.swiglu, deallocate_pipeline_outputs=True,
         num_query_groups=m.num_query_groups, gated_linear_unit=m.swiglu,
-        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu, **moe,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_amax_history_len=m.fp8_amax_history_len,
+        fp8_amax_compute_algo=m.fp8_amax_compute_algo, fp8_margin=m.fp8_margin, **moe,
         **recompute)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype != torch.float32,

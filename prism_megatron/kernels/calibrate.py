@@ -4,7 +4,9 @@ Four sweeps, each timed on the device's clock (CUDA events around back-to-back l
 warm-up, as nccl-tests and cuBLAS benchmarks time):
 
 1. **GEMMs**: `mm` over a grid of M, N, K (bf16 on a fine grid, fp32 and fp16 on a coarse one) in the
-   four operand layouts cuBLAS distinguishes (row-major or transposed A and B).
+   four operand layouts cuBLAS distinguishes (row-major or transposed A and B); FP8 `_scaled_mm` (e4m3
+   x e4m3, and e5m2 x e4m3 as the hybrid recipe's gradients run) on the coarse grid, in the one
+   layout it takes (A row-major, B column-major: `NT`), where the GPU has FP8 tensor cores.
 2. **Memory-bound families**: time against bytes moved, from 4 KiB to 4 GiB, for an elementwise binary
    op, a dtype conversion, a row reduction, a softmax, a layer norm, an embedding gather and a
    multi-tensor (`_foreach_`) update.
@@ -80,6 +82,24 @@ def sweep_gemms(torch, time_it, log: Callable[[str], None], bf16_sizes=BF16_SIZE
                         rows.append({"dtype": dtype_name, "layout": layout, "m": m, "n": n, "k": k,
                                      "s": time_it(lambda a=a, b=b: torch.mm(a, b))})
         log(f"gemm {dtype_name}: {len(sizes) ** 3 * 4} shapes in {time.perf_counter() - t0:.1f} s")
+    if torch.cuda.get_device_capability() >= (8, 9):
+        rows += _sweep_fp8_gemms(torch, time_it, log)
+    return rows
+
+
+def _sweep_fp8_gemms(torch, time_it, log: Callable[[str], None]) -> list[dict]:
+    rows, one = [], torch.ones((), device="cuda")
+    for a_name, b_name in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e4m3fn")):
+        t0 = time.perf_counter()
+        for m in COARSE_SIZES:
+            for k in COARSE_SIZES:
+                a = torch.randn(m, k, device="cuda").to(getattr(torch, a_name))
+                for n in COARSE_SIZES:
+                    b = torch.randn(n, k, device="cuda").to(getattr(torch, b_name)).t()
+                    rows.append({"dtype": a_name, "layout": "NT", "m": m, "n": n, "k": k, "s": time_it(
+                        lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                          out_dtype=torch.bfloat16))})
+        log(f"gemm {a_name} x {b_name}: {len(COARSE_SIZES) ** 3} shapes in {time.perf_counter() - t0:.1f} s")
     return rows
 
 
@@ -174,6 +194,8 @@ def _build(torch, spec: Any, device: str = "cuda") -> Any:
         if "T" in spec:
             dtype = getattr(torch, spec["dt"])
             shape, stride = spec["T"], spec["st"]
+            if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # no random kernels of its own
+                return torch.empty_strided(shape, stride, dtype=torch.bfloat16, device=device).normal_().to(dtype)
             t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             if dtype.is_floating_point:
                 t.normal_()

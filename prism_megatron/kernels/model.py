@@ -7,6 +7,8 @@ Lookup order, and the `source` each prediction carries:
 2. `gemm-grid`: a GEMM (mm/addmm/bmm/baddbmm) off the exact table takes the efficiency (achieved over
    peak FLOP/s) interpolated in log2(M, N, K) from the calibrated grid of its dtype and operand layout;
    a batched GEMM is costed as `batch` GEMMs' FLOPs at the efficiency of one (M*batch, N, K) GEMM.
+   An FP8 GEMM (`_scaled_mm`) takes the grid of its FP8 dtypes; where the calibration has none, the
+   `gemm-grid-scaled` source: the bf16 grid's efficiency times FP8_OF_BF16_EFFICIENCY at the FP8 peak.
 3. `family`: a memory-bound op takes the calibrated time-against-bytes curve of its family
    (elementwise, convert, reduction, softmax, layer_norm, gather, foreach), log-log interpolated.
 4. `exact` / `attention-fit` for fused attention (torch's SDPA kernels, kernels/attention.py): the GPU
@@ -21,8 +23,8 @@ families, fused attention and the exact ops of the four `benchmarks/model_fideli
 whose real runs it predicts within 3.5 %; no module table, so its host is the launch figure alone).
 
 GPU specs are documented dense peak figures (NVIDIA data sheets, SXM parts): H200 and H100 989 TFLOP/s
-bf16/fp16, 67 fp32 (non-tensor), 4.8 and 3.35 TB/s HBM3(e); A100 80GB 312 TFLOP/s bf16/fp16,
-19.5 fp32, 2.039 TB/s.
+bf16/fp16, 1979 fp8, 67 fp32 (non-tensor), 4.8 and 3.35 TB/s HBM3(e); A100 80GB 312 TFLOP/s
+bf16/fp16, 19.5 fp32, 2.039 TB/s (no FP8 tensor cores).
 """
 
 from __future__ import annotations
@@ -73,14 +75,20 @@ class GpuSpec:
             raise ValueError(f"GpuSpec {self.name}: peak figures must be positive")
 
 
+_HOPPER_PEAKS = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float8_e4m3fn": 1979e12,
+                 "float8_e5m2": 1979e12}
 GPU_SPECS = {
-    "h200": GpuSpec("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                    4.8e12, int(141e9)),
-    "h100": GpuSpec("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                    3.35e12, int(80e9)),
+    "h200": GpuSpec("h200", _HOPPER_PEAKS, 4.8e12, int(141e9)),
+    "h100": GpuSpec("h100", _HOPPER_PEAKS, 3.35e12, int(80e9)),
     "a100": GpuSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
                     2.039e12, int(80e9), compute_capability=(8, 0), sm_count=108),
 }
+
+FP8_OF_BF16_EFFICIENCY = 0.87
+"""An FP8 GEMM's efficiency (of the FP8 peak) over the bf16 GEMM's of the same shape (of the bf16 peak):
+the median of benchmarks/fp8_gemm.py on an H100 (0.83-0.98 over the shards' GEMM shapes, forward and
+input gradient), so `gemm-grid-scaled` is expected within about 10 %."""
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 _FAMILY_OF_OP = {
     "aten._softmax.default": "softmax", "aten._softmax_backward_data.default": "softmax",
@@ -337,10 +345,14 @@ class KernelCostModel:
         batch, m, n, k, dtype, layout = gemm_dims(call.sig)
         grid = self.grids.get((dtype, layout)) or self.grids.get((dtype, "NN"))
         peak = self.spec.peak_flops.get(dtype)
+        scale, source = 1.0, "gemm-grid"
+        if grid is None and dtype in FP8_DTYPES:
+            grid = self.grids.get(("bfloat16", layout)) or self.grids.get(("bfloat16", "NN"))
+            scale, source = FP8_OF_BF16_EFFICIENCY, "gemm-grid-scaled"
         if grid is not None and peak:
-            eff = grid.at(m * batch, n, k)
+            eff = grid.at(m * batch, n, k) * scale
             if eff > 0:
-                return max(call.flops / (eff * peak), self.min_kernel_s), "gemm-grid"
+                return max(call.flops / (eff * peak), self.min_kernel_s), source
         return self._roofline(call), "roofline"
 
     def _memory(self, call: OpCall) -> tuple[float, str]:
@@ -353,7 +365,8 @@ class KernelCostModel:
         return self._roofline(call), "roofline"
 
     def _roofline(self, call: OpCall) -> float:
-        dtype = next((t for t in ("bfloat16", "float16", "float32") if t in json.dumps(call.sig)), "float32")
+        dtype = next((t for t in (*FP8_DTYPES, "bfloat16", "float16", "float32") if t in json.dumps(call.sig)),
+                     "float32")
         peak = self.spec.peak_flops.get(dtype, min(self.spec.peak_flops.values()))
         seconds = max(call.flops / peak, call.bytes / self.spec.memory_bandwidth_Bps) / self.spec.achievable
         return max(seconds, self.min_kernel_s)

@@ -22,7 +22,8 @@ import torch
 
 __all__ = ["GEMM_OPS", "OpCall", "signature", "op_kind", "gemm_dims", "tensor_bytes", "spec_tensors"]
 
-GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
+GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+                      "aten._scaled_mm.default"})
 _FREE = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default",
          "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
          "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset",

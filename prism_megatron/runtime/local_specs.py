@@ -11,6 +11,10 @@ implementations:
   local spec provider returns `LocalCoreAttention` (runtime/sdpa_attention.py), which builds torch's
   fused scaled_dot_product_attention for `--attention-backend flash|fused` and otherwise
   `ContextParallelDotProductAttention` (runtime/cp_attention.py, TE's all-gather CP pattern);
+- FP8 (`config.fp8`) is TE-only: the provider's linears become `FP8ColumnParallelLinear` and
+  `FP8RowParallelLinear` (runtime/fp8_linear.py), megatron's modules whose GEMMs run through
+  torch._scaled_mm when `config.fp8` is set and as before otherwise; and full recomputation under
+  FP8 calls `te_checkpoint`, which becomes megatron's own `tensor_parallel.checkpoint`;
 - megatron-core 0.16.1's MoE router names `te_general_gemm`, defined only when TE imports: it is
   defined as None so the router uses torch.
 """
@@ -35,6 +39,10 @@ def activate_local_specs(patches: PatchSet) -> None:
         from megatron.core.transformer.moe import moe_utils
     except ImportError:
         return
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from prism_megatron.runtime.fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear
     from prism_megatron.runtime.norm import SequenceParallelTorchNorm
     from prism_megatron.runtime.sdpa_attention import LocalCoreAttention
 
@@ -43,6 +51,14 @@ def activate_local_specs(patches: PatchSet) -> None:
     # LocalSpecProvider.core_attention() returns this module-level name.
     if getattr(backends, "DotProductAttention", None) is DotProductAttention:
         patches.patch(backends, "DotProductAttention", LocalCoreAttention)
+    for name, local, fp8 in (("ColumnParallelLinear", ColumnParallelLinear, FP8ColumnParallelLinear),
+                             ("RowParallelLinear", RowParallelLinear, FP8RowParallelLinear)):
+        if getattr(backends, name, None) is local:  # LocalSpecProvider's linears are these names
+            patches.patch(backends, name, fp8)
+    if getattr(transformer_block, "te_checkpoint", None) is None:
+        patches.patch(transformer_block, "te_checkpoint",
+                      lambda function, distribute, _rng_tracker, _tp_group, *args:
+                      tensor_parallel.checkpoint(function, distribute, *args))
     # the provider's RMSNorm path sets and returns backends.WrappedTorchNorm itself
     for owner, name in ((gpt_layer_specs, "LNImpl"), (backends, "LNImpl"), (backends, "WrappedTorchNorm"),
                         (transformer_block, "LayerNormImpl")):
