@@ -1,6 +1,6 @@
 """GPU-free predictions of the models people train against real runs of the same shard on one GPU.
 
-Four per-GPU shards that fit one H100/H200, each one process (a virtual world of one rank), bf16 with
+Six per-GPU shards that fit one H100/H200, each one process (a virtual world of one rank), bf16 with
 megatron's distributed-optimizer-free Adam:
 
 - `llama8b`: a LLaMA-3-8B block stack (GQA 8, SwiGLU, RMSNorm, RoPE, seq 8192, flash attention);
@@ -8,7 +8,9 @@ megatron's distributed-optimizer-free Adam:
 - `mixtral`: a Mixtral-8x7B block stack (8 experts top-2, seq 4096, flash attention; routing by the
   force-balanced model on both sides, so that real and fake route alike);
 - `gpt3_tp8`: a GPT-3 175B layer as one TP8 rank holds it (hidden 12288, 12 heads of 128, FFN 6144,
-  vocab 51200/8, learned positions, LayerNorm, GeLU, megatron's unfused attention).
+  vocab 51200/8, learned positions, LayerNorm, GeLU, megatron's unfused attention);
+- `llama8b_fp8`, `gpt3_tp8_fp8`: the first and the last in FP8 (hybrid format, delayed scaling with
+  an amax history of 1024, its maximum: Megatron-LM's usual FP8 flags; runtime/fp8_linear.py).
 
 Three steps, one command each:
 
@@ -62,6 +64,9 @@ SHARDS = {
                  "model.seq_length=2048", "model.tie_embeddings=true", "model.attention_backend=local",
                  "train.global_batch_size=4"],
 }
+FP8 = ["model.fp8=hybrid", "model.fp8_recipe=delayed", "model.fp8_amax_history_len=1024",
+       "model.fp8_amax_compute_algo=max"]  # Megatron-LM's usual FP8 recipe flags
+SHARDS.update({"llama8b_fp8": [*LLAMA, *FP8], "gpt3_tp8_fp8": [*SHARDS["gpt3_tp8"], *FP8]})
 
 
 def _train(name: str, extra: list[str], out: Path, env: dict | None = None) -> dict:

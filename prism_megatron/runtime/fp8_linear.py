@@ -18,11 +18,13 @@ parameter dtype, as with TE.
 - Tensor-parallel communication as megatron's `LinearWithGradAccumulationAndAsyncCommunication`:
   the sequence-parallel all-gather of the input in forward and again in backward, and the input
   gradient's all-reduce (or reduce-scatter) started before the weight gradient and waited after it.
+- The weight is quantized once per version of it (TE's FP8 weight cache over an iteration's
+  micro-batches and recomputations): the FP8 weight and its transpose stay allocated until the
+  optimizer's update changes the weight's version.
 - Saved for backward: the FP8 input (1 byte an element; under sequence parallelism the local input,
-  gathered again as megatron does) and the FP8 weight, so activation memory is TE's.
+  gathered again as megatron does), so activation memory is TE's.
 
-Known differences from TE: the weight is quantized at every micro-batch (TE caches it over an
-iteration's micro-batches); the sequence-parallel all-gather moves the parameter dtype (TE gathers
+Known differences from TE: the sequence-parallel all-gather moves the parameter dtype (TE gathers
 FP8, half the bytes); amax and cast are separate ops (TE fuses them), and the amax is not reduced over
 the tensor-parallel group; a delayed history moves at each quantization (TE's at the end of the step).
 Recipes `mxfp8` and `blockwise` (block scales: Blackwell, TE kernels) are refused by the config.
@@ -53,7 +55,7 @@ class _Scaling:
 
     def scale(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The float32 scale that maps `tensor` into `dtype`'s range (and updates the history)."""
-        amax = tensor.detach().abs().amax().float()
+        amax = torch.linalg.vector_norm(tensor.detach(), ord=float("inf")).float()  # max |x|, one kernel
         used = amax
         if self.delayed:
             if self.history is None or self.history.device != amax.device:
@@ -83,6 +85,18 @@ def _gather(tensor: torch.Tensor, tp_group, async_op: bool = False):
     return out, handle
 
 
+def _cached_weight(module, weight: torch.Tensor, dtype: torch.dtype):
+    """(FP8 weight, the same column-major for the input gradient, its scale), quantized again only when
+    the weight changed (its version counter moves with every in-place update)."""
+    key = (id(weight), weight._version)
+    cached = getattr(module, "_prism_fp8_weight", None)
+    if cached is None or cached[0] != key:
+        scale = module._prism_fp8_scaling["weight"].scale(weight, dtype)
+        w8 = _quantize(weight.detach(), scale, dtype)
+        cached = module._prism_fp8_weight = (key, w8, _column_major(w8), scale)
+    return cached[1:]
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T (+ b) with FP8 GEMMs and megatron's tensor-parallel communication."""
 
@@ -92,12 +106,12 @@ class _FP8Linear(torch.autograd.Function):
         total = _gather(input, tp_group)[0] if sequence_parallel else input
         x2d = total.reshape(-1, total.shape[-1])
         x_scale = module._prism_fp8_scaling["input"].scale(x2d, forward_dtype)
-        w_scale = module._prism_fp8_scaling["weight"].scale(weight, forward_dtype)
-        x8, w8 = _quantize(x2d, x_scale, forward_dtype), _quantize(weight, w_scale, forward_dtype)
+        w8, w8_columns, w_scale = _cached_weight(module, weight, forward_dtype)
+        x8 = _quantize(x2d, x_scale, forward_dtype)
         out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
                                bias=bias, out_dtype=input.dtype)
         saved = input if sequence_parallel else x8  # SP: gathered again in backward, as megatron does
-        ctx.save_for_backward(saved, w8, x_scale, w_scale)
+        ctx.save_for_backward(saved, w8_columns, x_scale, w_scale)
         ctx.module, ctx.use_bias, ctx.grad_dtype = module, bias is not None, grad_dtype
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         ctx.out_dtype, ctx.forward_dtype = input.dtype, forward_dtype
@@ -105,14 +119,14 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved, w8, x_scale, w_scale = ctx.saved_tensors
+        saved, w8_columns, x_scale, w_scale = ctx.saved_tensors
         handle = None
         if ctx.sequence_parallel:
             total, handle = _gather(saved, ctx.tp_group, async_op=True)
         g2d = grad_output.reshape(-1, grad_output.shape[-1])
         g_scale = ctx.module._prism_fp8_scaling["grad"].scale(g2d, ctx.grad_dtype)
         g8 = _quantize(g2d, g_scale, ctx.grad_dtype)
-        grad_input = torch._scaled_mm(g8, _column_major(w8), scale_a=g_scale.reciprocal(),
+        grad_input = torch._scaled_mm(g8, w8_columns, scale_a=g_scale.reciprocal(),
                                       scale_b=w_scale.reciprocal(), out_dtype=ctx.out_dtype)
         if ctx.sequence_parallel:
             handle.wait()
