@@ -162,6 +162,15 @@ def test_fp8_runs_the_layers_gemms_through_scaled_mm(run):
     assert losses[0] != losses[1] and all(abs(a - b) < 0.02 * a for a, b in zip(*losses))
 
 
+@pytest.mark.parametrize("sequence_parallel", ["true", "false"])
+def test_fp8_keeps_megatrons_tensor_parallel_communication(run, sequence_parallel):
+    tp2 = ["emulation.virtual_world_size=2", "parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}"]
+    plain, _ = run(*tp2)
+    fp8, fp8_ops = run(*tp2, "model.fp8=e4m3", "model.fp8_recipe=tensorwise")
+    assert fp8_ops["aten._scaled_mm.default"] == 4 * 4 * 3 * 2 * 2
+    assert fp8["comm"] == plain["comm"]  # the same collectives, calls and bytes
+
+
 def test_fp8_linear_matches_the_bf16_product_and_keeps_a_delayed_history():
     import types
 
