@@ -162,13 +162,23 @@ def test_fp8_runs_the_layers_gemms_through_scaled_mm(run):
     assert losses[0] != losses[1] and all(abs(a - b) < 0.02 * a for a, b in zip(*losses))
 
 
-@pytest.mark.parametrize("sequence_parallel", ["true", "false"])
-def test_fp8_keeps_megatrons_tensor_parallel_communication(run, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_fp8_keeps_megatrons_tensor_parallel_communication_at_te_precision(run, sequence_parallel):
     tp2 = ["emulation.virtual_world_size=2", "parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}"]
     plain, _ = run(*tp2)
     fp8, fp8_ops = run(*tp2, "model.fp8=e4m3", "model.fp8_recipe=tensorwise")
     assert fp8_ops["aten._scaled_mm.default"] == 4 * 4 * 3 * 2 * 2
-    assert fp8["comm"] == plain["comm"]  # the same collectives, calls and bytes
+    if not sequence_parallel:
+        assert fp8["comm"] == plain["comm"]  # the same collectives, calls and bytes
+        return
+    comm = [{(c["op"], c["dim"]): (c["calls"], c["bytes"]) for c in r["comm"]} for r in (plain, fp8)]
+    gathers = 2 * 4 * 2 * 2 * 2  # qkv and fc1 inputs x layers x (forward, backward) x micro-batches x iterations
+    gathered_bf16_bytes = 32 * 1 * 64 * 2  # seq x micro-batch x hidden x 2 bytes
+    calls, moved = comm[0][("all_gather", "world")]
+    assert comm[1][("all_gather", "world")] == (calls, moved - gathers * gathered_bf16_bytes // 2)  # in FP8
+    calls, moved = comm[0][("all_reduce", "world")]
+    assert comm[1][("all_reduce", "world")] == (calls + gathers // 2, moved + 4 * gathers // 2)  # amax
+    assert comm[1][("reduce_scatter", "world")] == comm[0][("reduce_scatter", "world")]
 
 
 def test_fp8_linear_matches_the_bf16_product_and_keeps_a_delayed_history():

@@ -15,18 +15,20 @@ parameter dtype, as with TE.
   scaling) takes the amax of the tensor being quantized; `delayed` the amax history of the last
   `fp8_amax_history_len` quantizations of that tensor (`fp8_amax_compute_algo`: its maximum, or the most
   recent), the current amax entering the history after use.
-- Tensor-parallel communication as megatron's `LinearWithGradAccumulationAndAsyncCommunication`:
-  the sequence-parallel all-gather of the input in forward and again in backward, and the input
-  gradient's all-reduce (or reduce-scatter) started before the weight gradient and waited after it.
+- Tensor-parallel communication as megatron's `LinearWithGradAccumulationAndAsyncCommunication`, in
+  TE's precision: under sequence parallelism the input is quantized where it lives and all-gathered
+  in FP8 (half megatron's bytes; the current recipe first all-reduces the amax over the group, a
+  scalar, as TE does), in forward and again in backward; the input gradient's all-reduce (or
+  reduce-scatter) starts before the weight gradient and is waited after it.
 - The weight is quantized once per version of it (TE's FP8 weight cache over an iteration's
   micro-batches and recomputations): the FP8 weight and its transpose stay allocated until the
   optimizer's update changes the weight's version.
-- Saved for backward: the FP8 input (1 byte an element; under sequence parallelism the local input,
-  gathered again as megatron does), so activation memory is TE's.
+- Saved for backward: the FP8 input (1 byte an element; under sequence parallelism the local part),
+  so activation memory is TE's.
 
-Known differences from TE: the sequence-parallel all-gather moves the parameter dtype (TE gathers
-FP8, half the bytes); amax and cast are separate ops (TE fuses them), and the amax is not reduced over
-the tensor-parallel group; a delayed history moves at each quantization (TE's at the end of the step).
+Known differences from TE: amax and cast are separate ops (TE fuses them); a delayed history moves
+at each quantization and takes the local amax (TE's moves at the end of the step, reduced over the
+group).
 Recipes `mxfp8` and `blockwise` (block scales: Blackwell, TE kernels) are refused by the config.
 """
 
@@ -53,9 +55,13 @@ class _Scaling:
         self.margin = float(2 ** config.fp8_margin)
         self.history: torch.Tensor | None = None
 
-    def scale(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The float32 scale that maps `tensor` into `dtype`'s range (and updates the history)."""
+    def scale(self, tensor: torch.Tensor, dtype: torch.dtype, group=None) -> torch.Tensor:
+        """The float32 scale that maps `tensor` into `dtype`'s range (and updates the history); with
+        `group`, a tensor split over it (sequence parallelism): the current recipe's amax is the
+        group's maximum, so every rank quantizes its part alike."""
         amax = torch.linalg.vector_norm(tensor.detach(), ord=float("inf")).float()  # max |x|, one kernel
+        if group is not None and not self.delayed and group.size() > 1:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
         used = amax
         if self.delayed:
             if self.history is None or self.history.device != amax.device:
@@ -76,13 +82,14 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _gather(tensor: torch.Tensor, tp_group, async_op: bool = False):
+def _gather_fp8(tensor: torch.Tensor, tp_group, async_op: bool = False):
+    """All-gather along dim 0 into megatron's shared buffer, as bytes (collectives take no FP8 type)."""
     size = list(tensor.size())
     size[0] *= tp_group.size()
-    out = get_global_memory_buffer().get_tensor(size, tensor.dtype, "mpu")
-    handle = torch.distributed.all_gather_into_tensor(out, tensor.contiguous(), group=tp_group,
+    out = get_global_memory_buffer().get_tensor(size, torch.uint8, "mpu")
+    handle = torch.distributed.all_gather_into_tensor(out, tensor.view(torch.uint8), group=tp_group,
                                                       async_op=async_op)
-    return out, handle
+    return out.view(tensor.dtype), handle
 
 
 def _cached_weight(module, weight: torch.Tensor, dtype: torch.dtype):
@@ -103,43 +110,40 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, module, allreduce_dgrad, sequence_parallel, tp_group):
         forward_dtype, grad_dtype = FORMATS[module.config.fp8]
-        total = _gather(input, tp_group)[0] if sequence_parallel else input
-        x2d = total.reshape(-1, total.shape[-1])
-        x_scale = module._prism_fp8_scaling["input"].scale(x2d, forward_dtype)
+        local2d = input.reshape(-1, input.shape[-1])
+        x_scale = module._prism_fp8_scaling["input"].scale(local2d, forward_dtype,
+                                                           tp_group if sequence_parallel else None)
+        x8 = _quantize(local2d, x_scale, forward_dtype)  # SP: the local part, gathered in FP8
+        total8 = _gather_fp8(x8, tp_group)[0] if sequence_parallel else x8
         w8, w8_columns, w_scale = _cached_weight(module, weight, forward_dtype)
-        x8 = _quantize(x2d, x_scale, forward_dtype)
-        out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
+        out = torch._scaled_mm(total8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
                                bias=bias, out_dtype=input.dtype)
-        saved = input if sequence_parallel else x8  # SP: gathered again in backward, as megatron does
-        ctx.save_for_backward(saved, w8_columns, x_scale, w_scale)
+        ctx.save_for_backward(x8, w8_columns, x_scale, w_scale)
         ctx.module, ctx.use_bias, ctx.grad_dtype = module, bias is not None, grad_dtype
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
-        ctx.out_dtype, ctx.forward_dtype = input.dtype, forward_dtype
-        return out.view(*total.shape[:-1], out.shape[-1])
+        ctx.out_dtype, ctx.input_shape = input.dtype, input.shape
+        rows = total8.shape[0] // local2d.shape[0]
+        return out.view(input.shape[0] * rows, *input.shape[1:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved, w8_columns, x_scale, w_scale = ctx.saved_tensors
+        x8, w8_columns, x_scale, w_scale = ctx.saved_tensors
         handle = None
-        if ctx.sequence_parallel:
-            total, handle = _gather(saved, ctx.tp_group, async_op=True)
+        if ctx.sequence_parallel:  # the FP8 input gathered again, overlapping the input gradient
+            x8, handle = _gather_fp8(x8, ctx.tp_group, async_op=True)
         g2d = grad_output.reshape(-1, grad_output.shape[-1])
         g_scale = ctx.module._prism_fp8_scaling["grad"].scale(g2d, ctx.grad_dtype)
         g8 = _quantize(g2d, g_scale, ctx.grad_dtype)
         grad_input = torch._scaled_mm(g8, w8_columns, scale_a=g_scale.reciprocal(),
                                       scale_b=w_scale.reciprocal(), out_dtype=ctx.out_dtype)
+        grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])
         if ctx.sequence_parallel:
             handle.wait()
-            x8 = _quantize(total.reshape(-1, total.shape[-1]), x_scale, ctx.forward_dtype)
-            grad_input = grad_input.view(*total.shape[:-1], grad_input.shape[-1])
-            sub = torch.empty_like(saved)
+            sub = torch.empty(ctx.input_shape, dtype=ctx.out_dtype, device=grad_input.device)
             handle = torch.distributed.reduce_scatter_tensor(sub, grad_input, group=ctx.tp_group,
                                                              async_op=True)
-        else:
-            x8 = saved
-            grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])
-            if ctx.allreduce_dgrad:
-                handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        elif ctx.allreduce_dgrad:
+            handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
         grad_weight = torch._scaled_mm(g8.t().contiguous(), _column_major(x8), scale_a=g_scale.reciprocal(),
                                        scale_b=x_scale.reciprocal(), out_dtype=ctx.out_dtype)
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
