@@ -162,11 +162,12 @@ def test_fp8_runs_the_layers_gemms_through_scaled_mm(run):
     assert losses[0] != losses[1] and all(abs(a - b) < 0.02 * a for a, b in zip(*losses))
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_fp8_keeps_megatrons_tensor_parallel_communication_at_te_precision(run, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, recipe", [(True, "tensorwise"), (True, "delayed"),
+                                                       (False, "delayed")])
+def test_fp8_keeps_megatrons_tensor_parallel_communication_at_te_precision(run, sequence_parallel, recipe):
     tp2 = ["emulation.virtual_world_size=2", "parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}"]
     plain, _ = run(*tp2)
-    fp8, fp8_ops = run(*tp2, "model.fp8=e4m3", "model.fp8_recipe=tensorwise")
+    fp8, fp8_ops = run(*tp2, "model.fp8=e4m3", f"model.fp8_recipe={recipe}")
     assert fp8_ops["aten._scaled_mm.default"] == 4 * 4 * 3 * 2 * 2
     if not sequence_parallel:
         assert fp8["comm"] == plain["comm"]  # the same collectives, calls and bytes

@@ -16,9 +16,10 @@ parameter dtype, as with TE.
   `fp8_amax_history_len` quantizations of that tensor (`fp8_amax_compute_algo`: its maximum, or the most
   recent), the current amax entering the history after use.
 - Tensor-parallel communication as megatron's `LinearWithGradAccumulationAndAsyncCommunication`, in
-  TE's precision: under sequence parallelism the input is quantized where it lives and all-gathered
-  in FP8 (half megatron's bytes; the current recipe first all-reduces the amax over the group, a
-  scalar, as TE does), in forward and again in backward; the input gradient's all-reduce (or
+  TE's precision: under sequence parallelism each rank quantizes its part of the input and the parts
+  are all-gathered in FP8 (half megatron's bytes), in forward and again in backward; the amax, a
+  scalar, is all-reduced over the group first, so every part has the one scale the GEMM dequantizes
+  with (TE reduces it too; for the delayed recipe once per step). The input gradient's all-reduce (or
   reduce-scatter) starts before the weight gradient and is waited after it.
 - The weight is quantized once per version of it (TE's FP8 weight cache over an iteration's
   micro-batches and recomputations): the FP8 weight and its transpose stay allocated until the
@@ -27,8 +28,8 @@ parameter dtype, as with TE.
   so activation memory is TE's.
 
 Known differences from TE: amax and cast are separate ops (TE fuses them); a delayed history moves
-at each quantization and takes the local amax (TE's moves at the end of the step, reduced over the
-group).
+at each quantization, with its amax reduced over the sequence-parallel group then (TE's moves at the
+end of the step, all tensors' amaxes reduced in one collective).
 Recipes `mxfp8` and `blockwise` (block scales: Blackwell, TE kernels) are refused by the config.
 """
 
@@ -57,10 +58,10 @@ class _Scaling:
 
     def scale(self, tensor: torch.Tensor, dtype: torch.dtype, group=None) -> torch.Tensor:
         """The float32 scale that maps `tensor` into `dtype`'s range (and updates the history); with
-        `group`, a tensor split over it (sequence parallelism): the current recipe's amax is the
-        group's maximum, so every rank quantizes its part alike."""
+        `group`, a tensor split over it (sequence parallelism): the amax is the group's maximum, so
+        every rank quantizes its part with the scale the others dequantize it with."""
         amax = torch.linalg.vector_norm(tensor.detach(), ord=float("inf")).float()  # max |x|, one kernel
-        if group is not None and not self.delayed and group.size() > 1:
+        if group is not None and group.size() > 1:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
         used = amax
         if self.delayed:
